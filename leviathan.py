@@ -1,0 +1,420 @@
+"""Leviathan: a LLaMA-style language model whose input embedding table is replaced
+by LEV, a tiny continuous generator from token id to vector, with an untied head.
+
+Paper: Batley & Saha, "Leviathan: Decoupling Input and Output Representations in
+Language Models", arXiv 2601.22040. The authors released no code; this file follows
+the method as written up in shared/leviathan-spec.md. Details marked (R) there are
+reconstructions; each is flagged (R) below where the choice is made.
+
+Read top to bottom: LEV (spec steps 1-4), the backbone, the three arms, the sizes.
+"""
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# LEV: token id i -> E_i in R^D
+
+
+def lev_base(vocab_size, digits):
+    """Smallest base b with b**k >= V, so every id has exactly k base-b digits.
+    Integer arithmetic: a float ceil(V ** (1/k)) can be off by one at exact powers."""
+    b = max(2, round(vocab_size ** (1.0 / digits)) - 1)
+    while b**digits < vocab_size:
+        b += 1
+    return b
+
+
+def to_digits(ids, base, digits):
+    """Step 1: i = sum_j i_j * b^(k-1-j). Returns [..., k], most significant first."""
+    powers = base ** torch.arange(digits - 1, -1, -1, device=ids.device)
+    return (ids.unsqueeze(-1) // powers) % base
+
+
+def bspline_basis(t, knots):
+    """Step 3c: quadratic B-spline basis B_m(t) on knots g_m = m / (kappa - 1).
+    t: [...] in (0, 1). Returns [..., kappa]; at most 3 entries are non-zero."""
+    grid = torch.linspace(0.0, 1.0, knots, device=t.device, dtype=t.dtype)
+    x = ((t.unsqueeze(-1) - grid) * (knots - 1)).abs()
+    centre = 0.75 - x**2
+    side = 0.5 * (1.5 - x).clamp(min=0.0) ** 2
+    basis = torch.where(x < 0.5, centre, side)
+    # (R) Normalise to a partition of unity: near t=0 and t=1 the knots beyond the
+    # ends are missing and the raw sum dips to ~0.5, which would shrink phi there.
+    return basis / basis.sum(-1, keepdim=True)
+
+
+class LEV(nn.Module):
+    """Learned embedding vectorization (spec steps 1-4).
+
+    i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
+      -> per head l: t = sigmoid(LayerNorm_l(W_l z)), phi_d = sum_m B_m(t_d) S_l[d, m]
+      -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
+    """
+
+    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64):
+        super().__init__()
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.digits, self.knots = digits, knots
+        self.base = lev_base(vocab_size, digits)
+        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C
+        self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l
+        self.norm_weight = nn.Parameter(torch.empty(heads, seed_dim))
+        self.norm_bias = nn.Parameter(torch.empty(heads, seed_dim))
+        self.spline = nn.Parameter(torch.empty(heads, seed_dim, knots, rank))  # S_l
+        self.out_proj = nn.Parameter(torch.empty(heads, rank, d_model))  # W_out_l
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        # (R) Init chosen so the product of d_seed=128 factors stays near 1: each
+        # phi_d is a convex mix of S entries around 1 (the basis sums to one), so
+        # log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0 nor inf.
+        # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.15 at init,
+        # and differ between tokens by ~0.1 (test_lev_init_scale measures both).
+        heads = self.seed_proj.shape[0]
+        nn.init.normal_(self.codebooks, std=0.02)
+        nn.init.normal_(self.seed_proj, std=0.02)
+        nn.init.ones_(self.norm_weight)
+        nn.init.zeros_(self.norm_bias)
+        nn.init.normal_(self.spline, mean=1.0, std=0.1)
+        nn.init.normal_(self.out_proj, std=0.02 / math.sqrt(heads))
+
+    def generate(self, ids):
+        """E_i for a 1-D tensor of ids: [N] -> [N, D], computed in float32.
+
+        (R) LEV is tiny in FLOPs but a product of d_seed factors is fragile in bf16,
+        so autocast is switched off and the output is float32, just as an
+        nn.Embedding lookup stays float32 under autocast. The large tensors are laid
+        out [h, d_seed, N, ...] so that step 3d is one batched matmul per (l, d) and
+        step 3e reduces over a leading dim, with no transposes of [N, h, d_seed, r]."""
+        with torch.autocast(ids.device.type, enabled=False):
+            digits = to_digits(ids, self.base, self.digits)  # [N, k]
+            z = self.codebooks[torch.arange(self.digits, device=ids.device), digits].sum(1)
+            u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # W_l z for every head l
+            u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
+            t = torch.sigmoid(u).transpose(1, 2)  # [h, d_seed, N], each t_d in (0, 1)
+            basis = bspline_basis(t, self.knots)  # [h, d_seed, N, kappa]
+            modes = SplineProduct.apply(basis, self.spline)  # M_l: [h, N, r]
+            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # sum_l W_out_l M_l
+
+    def forward(self, ids):
+        """ids of any shape -> [..., D]. LEV depends only on the id, so it is
+        evaluated once per *distinct* id in the batch and gathered back: a batch of
+        262k tokens has only ~30k distinct o200k ids. The number of distinct ids
+        changes every batch, so this stays outside torch.compile (graph break):
+        the backbone after it always sees [B, T, D] and is compiled once."""
+        return self._forward_unique(ids)
+
+    @torch.compiler.disable
+    def _forward_unique(self, ids):
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        return self.generate(unique)[inverse]
+
+    def compile_generator(self, **compile_options):
+        """torch.compile the generator for any number of ids (dynamic=True: one graph
+        whatever N is). Fusing the element-wise passes over [h, d_seed, N, r] makes
+        it ~4x faster than eager on CPU; it is called by train.py when compiling."""
+        self.generate = torch.compile(self.generate, dynamic=True, **compile_options)
+
+    @torch.no_grad()
+    def as_table(self, chunk=8192):
+        """Evaluate LEV for the whole vocabulary, in chunks so memory stays bounded:
+        at inference LEV becomes an ordinary [V, D] lookup table."""
+        ids = torch.arange(self.vocab_size, device=self.out_proj.device)
+        return torch.cat([self.generate(c) for c in ids.split(chunk)])
+
+
+class SplineProduct(torch.autograd.Function):
+    """Steps 3d-3e: phi_d = sum_m B_m(t_d) S_l[d, m] and M_l = prod_d phi_d.
+
+    basis [h, d_seed, N, kappa] @ spline [h, d_seed, kappa, r] -> phi [h, d_seed, N, r],
+    reduced over d_seed to M [h, N, r]. phi is the one big tensor in LEV (d_seed * r
+    floats per head and id), so it is never stored: the forward pass saves the basis
+    (kappa / r = 1/4 of phi's size) and the backward pass recomputes phi.
+
+    (R) A direct product of 128 factors under- or overflows, so M is computed as
+    sign-parity * exp(sum_d log|phi_d|). The backward pass needs no logs at all:
+    dM/dphi_d = M / phi_d."""
+
+    @staticmethod
+    def forward(ctx, basis, spline):
+        phi = basis @ spline
+        log_abs = phi.abs().clamp_(min=1e-30).log_().sum(1)  # clamp: guard log(0) only
+        # The sign parity is the sign of the plain product: even where that product
+        # under- or overflows to +-0 or +-inf, IEEE floats keep its sign exactly.
+        modes = log_abs.exp_().copysign_(phi.prod(1))
+        ctx.save_for_backward(basis, spline, modes)
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        basis, spline, modes = ctx.saved_tensors
+        grad_phi = (basis @ spline).reciprocal_().mul_((grad_modes * modes).unsqueeze(1))
+        return grad_phi @ spline.transpose(-1, -2), basis.transpose(-1, -2) @ grad_phi
+
+
+# -----------------------------------------------------------------------------
+# The backbone: LLaMA-style pre-norm Transformer, no biases
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, x.shape[-1:], self.weight, eps=1e-6)
+
+
+def rotary_tables(seq_len, head_dim, theta, device=None):
+    """cos/sin of the rotation angle pos * theta^(-2j/head_dim), each [seq_len, head_dim/2]."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate each pair (x_j, x_{j+hd/2}) by its angle. x: [B, H, T, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for generation:
+    each new token then costs one position of compute, not a rerun of the context."""
+
+    def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
+        shape = (n_layer, batch, n_head, max_len, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # positions filled; also the rotary position of the next token
+
+    def update(self, layer, k, v):
+        start, end = self.length, self.length + k.shape[2]
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            start = cache.length
+            k, v = cache.update(layer, k, v)
+            # new query t (at position start + t) may see cached keys 0..start + t
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(cfg.d_model), Attention(cfg)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# -----------------------------------------------------------------------------
+# Configuration and sizes
+
+EMBEDDINGS = ("lev", "tied", "untied")
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 200_064  # o200k_base's 200,019 ids padded to a multiple of 128
+    d_model: int = 2048
+    n_layer: int = 16
+    n_head: int = 16
+    seq_len: int = 512  # the paper's v1 sequence length
+    embedding: str = "lev"  # lev: Leviathan | tied: the paper's baseline | untied: ablation
+    rope_theta: float = 10_000.0
+    lev_digits: int = 3  # k
+    lev_seed_dim: int = 128  # d_seed
+    lev_heads: int = 8  # h
+    lev_knots: int = 16  # kappa
+    lev_rank: int = 64  # r
+
+    def __post_init__(self):
+        if self.embedding not in EMBEDDINGS:
+            raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {self.embedding!r}")
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
+
+    @property
+    def ffn_dim(self):
+        """SwiGLU hidden size: 8/3 d (same parameters as a 4d GELU MLP), rounded up to 128."""
+        return -(-8 * self.d_model // 3 // 128) * 128
+
+    @classmethod
+    def from_size(cls, name, **overrides):
+        if name not in SIZES:
+            raise ValueError(f"unknown size {name!r}; choose one of {', '.join(SIZES)}")
+        return replace(SIZES[name], **overrides)
+
+
+def padded_vocab(n_ids):
+    """Round the tokenizer's id count up to a multiple of 128 (tensor-core friendly).
+    The padding rows are never targets and are masked out when sampling."""
+    return -(-n_ids // 128) * 128
+
+
+# One shape rule for the paper's sizes: heads of 128 dims, SwiGLU of 8/3 d, and the depth
+# that brings the *tied* model (embedding included, as the paper counts) closest to its
+# nominal size with o200k_base. D = 2048 at 1.2B is the paper's; the paper does not publish
+# the other widths or any depth, so 768 and 1024 are the usual GPT-2/LLaMA widths.
+# The o200k table is 154M of the 200M model, which leaves it only 7 layers.
+#   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (test_size_presets checks)
+SIZES = {
+    # tiny: trains on a 2-core CPU in minutes on the demo corpus (8,192-id vocabulary);
+    # heads of 32 dims here, as 128-dim heads would leave a 128-wide model one head.
+    # LEV keeps its d_seed = 128 factors and kappa = 16 knots but has h * r = D modes
+    # (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would cost more
+    # per distinct id than the whole backbone costs per token.
+    "tiny": Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256,
+                   lev_heads=4, lev_rank=32),
+    "200m": Config(d_model=768, n_layer=7, n_head=6),
+    "400m": Config(d_model=1024, n_layer=15, n_head=8),
+    "1.2b": Config(d_model=2048, n_layer=16, n_head=16),
+}
+
+
+# -----------------------------------------------------------------------------
+# The model: input embedding (one of three arms) -> blocks -> RMSNorm -> head
+
+
+class Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.embedding == "lev":
+            self.lev = LEV(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim,
+                           cfg.lev_heads, cfg.lev_knots, cfg.lev_rank)
+        else:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.embedding == "tied":
+            self.head.weight = self.embed.weight  # one V x D matrix, used twice
+        cos, sin = rotary_tables(cfg.seq_len, cfg.d_model // cfg.n_head, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.frozen_table = None  # set by freeze_lev() for inference
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Explicit init, chosen per arm.
+        - Matrices N(0, 0.02); the two residual outputs per block (attn.proj, mlp.down)
+          scaled by 1/sqrt(2 n_layer) so the residual stream does not grow with depth.
+        - tied: the shared table N(0, 0.02) serves both sides, as in GPT-2.
+        - untied / lev: the head starts at zero, so the first prediction is uniform
+          (loss = ln V) and the head is not tied to random noise it must first unlearn;
+          gradients reach the backbone from step 2 on (modded-nanogpt does the same).
+          The untied table keeps N(0, 0.02) so both lookup arms start alike."""
+        for name, p in self.named_parameters():
+            if name.startswith("lev.") or p.dim() < 2:
+                continue  # LEV inits itself; norm weights stay at 1
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+            nn.init.normal_(p, std=std)
+        if self.cfg.embedding != "tied":
+            nn.init.zeros_(self.head.weight)
+
+    def embed_tokens(self, idx):
+        if self.frozen_table is not None:
+            return F.embedding(idx, self.frozen_table)
+        return self.lev(idx) if self.cfg.embedding == "lev" else self.embed(idx)
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx [B, T] -> (logits, loss). With targets: logits at every position and the
+        mean cross-entropy. Without: logits of the last position only (generation)."""
+        start = cache.length if cache is not None else 0
+        if start + idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"{start + idx.shape[1]} positions exceed seq_len={self.cfg.seq_len}")
+        cos = self.rope_cos[start:start + idx.shape[1]]
+        sin = self.rope_sin[start:start + idx.shape[1]]
+        x = self.embed_tokens(idx)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, layer)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        x = self.norm(x)
+        if targets is None:
+            return self.head(x[:, -1:]).float(), None
+        logits = self.head(x).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    def new_cache(self, batch, device=None, dtype=None):
+        p = self.head.weight
+        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len,
+                       self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
+
+    @torch.no_grad()
+    def freeze_lev(self):
+        """Inference: evaluate LEV once for every id and use it as a lookup table."""
+        if self.cfg.embedding == "lev":
+            self.frozen_table = self.lev.as_table()
+
+    def param_counts(self):
+        """Parameters by role. The tied table is counted once, as input."""
+        def count(module):
+            return sum(p.numel() for p in module.parameters())
+        embed = self.lev if self.cfg.embedding == "lev" else self.embed
+        head = 0 if self.cfg.embedding == "tied" else self.head.weight.numel()
+        backbone = count(self.blocks) + count(self.norm)
+        return {"input": count(embed), "backbone": backbone, "head": head,
+                "total": count(embed) + backbone + head}
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight
+        of the backbone and head (LEV runs once per distinct id and a lookup is free),
+        plus attention's QK^T and AV: 12 * n_layer * d_model * seq_len."""
+        counts = self.param_counts()
+        matmul_params = counts["backbone"] + self.head.weight.numel()
+        return 6 * matmul_params + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.seq_len
+
+    def configure_optimizers(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):
+        """AdamW with weight decay on the backbone and head matrices only.
+        No decay on norms (scales), input tables (a rare token's row gets few gradients
+        and decay would erase it between them) or LEV: its output is a product of 128
+        factors near 1, and pulling S toward 0 would shrink every M_l exponentially."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            input_side = name.startswith(("lev.", "embed.")) and self.cfg.embedding != "tied"
+            (decay if p.dim() >= 2 and not input_side else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
