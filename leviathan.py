@@ -101,16 +101,13 @@ class LEV(nn.Module):
             modes = SplineProduct.apply(basis, self.spline)  # M_l: [h, N, r]
             return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # sum_l W_out_l M_l
 
+    @torch.compiler.disable
     def forward(self, ids):
         """ids of any shape -> [..., D]. LEV depends only on the id, so it is
         evaluated once per *distinct* id in the batch and gathered back: a batch of
         262k tokens has only ~30k distinct o200k ids. The number of distinct ids
-        changes every batch, so this stays outside torch.compile (graph break):
+        changes every batch, so this stays outside torch.compile (a graph break):
         the backbone after it always sees [B, T, D] and is compiled once."""
-        return self._forward_unique(ids)
-
-    @torch.compiler.disable
-    def _forward_unique(self, ids):
         unique, inverse = torch.unique(ids, return_inverse=True)
         return self.generate(unique)[inverse]
 

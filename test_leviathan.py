@@ -257,3 +257,11 @@ def test_compiled_model_does_not_recompile_when_distinct_ids_change():
         counts.append(len(graphs))
     assert counts[0] > 0
     assert counts[1:] == counts[:1] * 3, f"graphs compiled after each batch: {counts}"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    from pathlib import Path
+    here = Path(__file__).parent
+    ci_command = (here / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci_command == "python -m pytest -q test_leviathan.py"
+    assert f"```bash\n{ci_command}\n```" in (here / "README.md").read_text()
