@@ -1,0 +1,174 @@
+"""Benchmarks that print figures; no test depends on them (timings vary by machine).
+
+    python bench.py              # every section
+    python bench.py model        # lev vs tied vs untied step time and peak memory
+    python bench.py model --compile
+
+Ratios are what to compare: each is measured within one run, the arms interleaved
+step by step so that a machine slowing down affects all of them alike.
+"""
+import argparse
+import contextlib
+import io
+import itertools
+import os
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+
+from leviathan import EMBEDDINGS, Config, Model, padded_vocab
+import prepare_data
+from prepare_data import demo_documents, get_tokenizer
+
+
+def real_token_batch(tokenizer, batch, seq_len):
+    """Token ids of real text (the demo corpus), so the number of distinct ids per batch,
+    which is what LEV's cost depends on, is realistic (random ids would inflate it)."""
+    ids = []
+    for doc in demo_documents():
+        ids += tokenizer.encode(doc) + [tokenizer.eot]
+        if len(ids) > batch * (seq_len + 1):
+            break
+    return torch.tensor(ids[:batch * (seq_len + 1)]).view(batch, seq_len + 1)
+
+
+class PeakMemory:
+    """Peak memory of a block above its starting point. CUDA: the allocator's own
+    counter. CPU: the process RSS sampled every millisecond from a thread (torch ops
+    release the GIL), an estimate good to a few MB."""
+
+    def __init__(self, device):
+        self.device, self.peak = device, 0
+
+    def _rss(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self._done.is_set():
+            self.peak = max(self.peak, self._rss() - self._start)
+            time.sleep(0.001)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+        else:
+            self._start, self._done = self._rss(), threading.Event()
+            self._thread = threading.Thread(target=self._sample)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self._start
+        else:
+            self._done.set()
+            self._thread.join()
+
+
+def train_step(model, optimizer, batch, device):
+    x, y = batch[:, :-1].to(device), batch[:, 1:].to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_arms(title, cfg, batch, device, compile_model, repeats):
+    """Step time (median) and peak memory of the three arms on identical backbones."""
+    models, optimizers = {}, {}
+    for embedding in EMBEDDINGS:
+        torch.manual_seed(0)
+        model = Model(Config(**{**cfg.__dict__, "embedding": embedding})).to(device)
+        optimizers[embedding] = model.configure_optimizers(lr=1e-4, weight_decay=0.1,
+                                                           fused=device.type == "cuda")
+        if compile_model:
+            if embedding == "lev":
+                model.lev.compile_generator()
+            model = torch.compile(model)
+        models[embedding] = model
+        train_step(model, optimizers[embedding], batch, device)  # warm-up (and compile)
+    times = {e: [] for e in EMBEDDINGS}
+    peaks = {e: 0 for e in EMBEDDINGS}
+    for _, embedding in itertools.product(range(repeats), EMBEDDINGS):  # interleaved
+        with PeakMemory(device) as memory:
+            start = time.perf_counter()
+            train_step(models[embedding], optimizers[embedding], batch, device)
+            times[embedding].append(time.perf_counter() - start)
+        peaks[embedding] = max(peaks[embedding], memory.peak)
+    tokens = batch.shape[0] * (batch.shape[1] - 1)
+    n_distinct = batch[:, :-1].unique().numel()
+    print(f"\n{title}: V={cfg.vocab_size:,} D={cfg.d_model} layers={cfg.n_layer} "
+          f"batch={tokens:,} tokens ({n_distinct:,} distinct ids) "
+          f"{'compiled' if compile_model else 'eager'} on {device.type}, median of {repeats}")
+    print(f"{'arm':<8}{'step ms':>10}{'tokens/s':>11}{'peak MB':>10}{'time / tied':>13}{'mem / tied':>12}")
+    base_time, base_mem = statistics.median(times["tied"]), max(peaks["tied"], 1)
+    for embedding in EMBEDDINGS:
+        step = statistics.median(times[embedding])
+        print(f"{embedding:<8}{step * 1e3:>10.1f}{tokens / step:>11,.0f}{peaks[embedding] / 2**20:>10.0f}"
+              f"{step / base_time:>13.3f}{peaks[embedding] / base_mem:>12.3f}")
+
+
+def bench_model(args, device):
+    o200k = get_tokenizer("o200k_base")
+    cpu_sized = Config.from_size("tiny", vocab_size=padded_vocab(o200k.n_vocab),
+                                 lev_heads=8, lev_rank=64)  # the paper's LEV, full vocabulary
+    bench_arms("o200k, CPU-sized backbone, paper LEV", cpu_sized,
+               real_token_batch(o200k, 8, cpu_sized.seq_len), device, args.compile, args.repeats)
+    demo = get_tokenizer("o200k_base", vocab_size=8192)
+    tiny = Config.from_size("tiny")
+    bench_arms("tiny preset (demo vocabulary)", tiny, real_token_batch(demo, 16, tiny.seq_len),
+               device, args.compile, args.repeats)
+
+
+def bench_data(args, device):
+    """prepare_data.py end to end (read, tokenize on all cores, write shards) against tiktoken's
+    own batched encoding of the same documents on the same cores."""
+    tokenizer = get_tokenizer("o200k_base", vocab_size=8192)  # built once, as prepare() reuses it
+    docs = list(demo_documents())
+    rates = {"tiktoken": [], "prepare_data": []}
+    for _ in range(args.repeats):  # interleaved, like the model benchmark
+        start = time.perf_counter()
+        encoded = tokenizer.enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())
+        rates["tiktoken"].append((sum(map(len, encoded)) + len(docs)) / (time.perf_counter() - start))
+        with tempfile.TemporaryDirectory() as out_dir, contextlib.redirect_stdout(io.StringIO()):
+            start = time.perf_counter()
+            meta = prepare_data.prepare(["--dataset=demo", f"--out_dir={out_dir}"])
+            elapsed = time.perf_counter() - start
+        tokens = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
+        rates["prepare_data"].append(tokens / elapsed)
+    tiktoken_rate, our_rate = (statistics.median(r) for r in rates.values())
+    print(f"\ntokenization, demo corpus ({tokens:,} tokens, {os.cpu_count()} cores), median of {args.repeats}")
+    print(f"tiktoken encode_ordinary_batch {tiktoken_rate:,.0f} tokens/s; prepare_data.py end to end "
+          f"{our_rate:,.0f} tokens/s; ratio {our_rate / tiktoken_rate:.2f} (target >= 0.80)")
+
+
+SECTIONS = {"model": bench_model, "data": bench_data}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    device = torch.device(args.device)
+    for section in args.sections or SECTIONS:
+        SECTIONS[section](args, device)
+
+
+if __name__ == "__main__":
+    main()
