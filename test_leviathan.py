@@ -54,19 +54,25 @@ def test_lev_base_matches_the_paper():
     assert lev_base(200_376, 3) == 59 and lev_base(200_019, 3) == 59
 
 
-def test_bspline_basis_is_a_partition_of_unity():
-    t = torch.cat([torch.linspace(1e-6, 1 - 1e-6, 10_001), torch.tensor([0.5, 1 / 15, 14 / 15])])
-    basis = bspline_basis(t.double(), 16)
-    assert basis.shape == (t.numel(), 16)
+def beta(x):
+    """The centred quadratic B-spline, as the spec writes it."""
+    x = x.abs()
+    return torch.where(x < 0.5, 0.75 - x**2, torch.where(x < 1.5, 0.5 * (1.5 - x) ** 2, 0.0))
+
+
+def test_bspline_basis_is_the_normalised_spec_formula():
+    knots = 16
+    t = torch.cat([torch.linspace(1e-6, 1 - 1e-6, 10_001), torch.tensor([0.5, 1 / 15, 14 / 15, 0.5 / 15])])
+    t = t.double()
+    basis = bspline_basis(t, knots)
+    raw = beta((t[:, None] - torch.linspace(0, 1, knots, dtype=torch.double)) * (knots - 1))
+    assert torch.allclose(basis, raw / raw.sum(-1, keepdim=True), atol=1e-12)
     assert (basis >= 0).all()
-    assert ((basis > 1e-12).sum(-1) <= 3).all()  # a 4th can be ~1e-16 when t sits on a half-knot
-    assert torch.allclose(basis.sum(-1), torch.ones_like(t, dtype=torch.double), atol=1e-12)
-    # away from the ends the raw quadratic B-spline already sums to one: unchanged there
-    g = 7 / 15
-    raw = {-1: 0.125, 0: 0.75, 1: 0.125}  # beta(1), beta(0), beta(-1) at a knot
-    at_knot = bspline_basis(torch.tensor([g], dtype=torch.double), 16)[0]
-    for offset, value in raw.items():
-        assert at_knot[7 + offset].item() == pytest.approx(value)
+    assert ((basis > 0).sum(-1) <= 3).all()
+    assert torch.allclose(basis.sum(-1), torch.ones_like(t), atol=1e-12)
+    inner = (t > 1.5 / 15) & (t < 13.5 / 15)  # all three knots exist: normalising changes nothing
+    assert torch.allclose(basis[inner], raw[inner], atol=1e-12)
+    assert raw.sum(-1).min() == pytest.approx(0.875, abs=1e-3)  # but near the ends it does
 
 
 def spec_reference(lev, ids):
