@@ -85,8 +85,8 @@ class LEV(nn.Module):
         # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.23 at init, of
         # which ~0.15 differs between tokens and the rest is a direction shared by all
         # ids (V = 8192, D = 128; test_lev_init_scale checks the range). The lookup-table
-        # arms start at 0.02: the RMSNorm in front of every block makes the scale matter
-        # only relative to the residual branches, which it dominates either way.
+        # arms start at the usual 0.02; every block normalises its input, so the scale only
+        # sets how much the embedding outweighs the first residual updates.
         heads = self.seed_proj.shape[0]
         nn.init.normal_(self.codebooks, std=0.02)
         nn.init.normal_(self.seed_proj, std=0.02)
