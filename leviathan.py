@@ -130,7 +130,7 @@ class LEV(nn.Module):
         self.generate = torch.compile(self.generate, dynamic=True, **compile_options)
 
     @torch.no_grad()
-    def as_table(self, chunk=8192):
+    def as_table(self, chunk=1024):
         """Evaluate LEV for the whole vocabulary, in chunks so memory stays bounded:
         at inference LEV becomes an ordinary [V, D] lookup table."""
         ids = torch.arange(self.vocab_size, device=self.out_proj.device)

