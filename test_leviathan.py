@@ -724,7 +724,7 @@ def test_generation_stops_at_the_stop_id():
 
 
 def test_frozen_table_equals_lev_output():
-    # 20,000 ids: more than one 8192-id chunk of as_table(). Tolerance: 1e-5 absolute and
+    # 20,000 ids: many 1024-id chunks of as_table(), the last one partial. Tolerance: 1e-5 absolute and
     # relative (float32; the table and LEV run the same arithmetic on different batches).
     model = random_model("lev", vocab_size=20_000)
     model.freeze_lev()
