@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from leviathan import EMBEDDINGS, Config, Model, padded_vocab
+from leviathan import EMBEDDINGS, LEV, Config, Model, padded_vocab
 import prepare_data
 from prepare_data import demo_documents, get_tokenizer
+from sample import generate
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -152,7 +153,36 @@ def bench_data(args, device):
           f"{our_rate:,.0f} tokens/s; ratio {our_rate / tiktoken_rate:.2f} (target >= 0.80)")
 
 
-SECTIONS = {"model": bench_model, "data": bench_data}
+def bench_sample(args, device):
+    """Generation with and without the KV cache at a 512-token context, and the one-off
+    cost of freezing LEV into a table for the full o200k vocabulary at the paper's D."""
+    torch.manual_seed(0)
+    model = Model(Config.from_size("tiny", seq_len=1024)).to(device).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.02)  # the zero-init head would give a constant
+    model.freeze_lev()
+    prompt = torch.randint(0, model.cfg.vocab_size, (512,)).tolist()
+    new_tokens = 64
+    rates = {True: [], False: []}
+    list(generate(model, prompt[:16], 4, temperature=0))  # warm-up
+    for _, use_cache in itertools.product(range(args.repeats), (True, False)):
+        start = time.perf_counter()
+        n = sum(1 for _ in generate(model, prompt, new_tokens, temperature=0, use_cache=use_cache))
+        rates[use_cache].append(n / (time.perf_counter() - start))
+    cached, uncached = statistics.median(rates[True]), statistics.median(rates[False])
+    print(f"\ngeneration, tiny preset, 512-token prompt + {new_tokens} new tokens, {device.type}, "
+          f"median of {args.repeats}")
+    print(f"with KV cache {cached:,.0f} tokens/s; without {uncached:,.0f} tokens/s; "
+          f"speed-up {cached / uncached:.1f}x (target >= 5x)")
+    lev = LEV(padded_vocab(get_tokenizer("o200k_base").n_vocab), 2048).to(device)
+    with PeakMemory(device) as memory:
+        start = time.perf_counter()
+        lev.as_table()
+        elapsed = time.perf_counter() - start
+    print(f"freezing LEV for {lev.vocab_size:,} ids at D=2048 (paper hyper-parameters): "
+          f"{elapsed:.1f} s, peak {memory.peak / 2**20:,.0f} MB")
+
+
+SECTIONS = {"model": bench_model, "data": bench_data, "sample": bench_sample}
 
 
 def main():
