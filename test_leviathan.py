@@ -5,7 +5,10 @@ import inspect
 import json
 import math
 import os
+import random
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ import zstandard
 
 import prepare_data as prep
 import sample
+import train
 from leviathan import (
     EMBEDDINGS,
     LEV,
@@ -900,3 +904,237 @@ def test_bad_input_as_a_process(bad_inputs):
         results = list(pool.map(lambda case: cli(*bad_inputs[case][0]), cases))
     for case, result in zip(cases, results):
         check_error(*result, bad_inputs[case][1])
+
+
+# ---------------------------------------------------------------------------- train.py
+
+# One thread per process: the models are tiny, and test processes then do not fight for cores.
+TRAIN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+TRAIN_ARGS = ["--size=tiny", "--d_model=32", "--n_layer=1", "--n_head=2", "--seq_len=32", "--lev_seed_dim=16",
+         "--lev_heads=2", "--lev_knots=4", "--lev_rank=8", "--batch_tokens=512", "--micro_batch=8",
+         "--lr=3e-3", "--warmup_steps=5", "--eval_tokens=2048", "--log_interval=1", "--device=cpu"]
+
+
+def prepare_corpus(tmp, name, vocab_size):
+    """A corpus with learnable structure: sentences from a small grammar, 300 documents."""
+    rng = random.Random(0)
+    words = {"who": ["the cat", "a dog", "my friend", "the old man", "Alice"],
+             "does": ["sat on", "looked at", "walked to", "found", "liked"],
+             "what": ["the mat", "a red ball", "the garden", "some bread", "the river"]}
+    with open(tmp / f"{name}.jsonl", "w") as f:
+        for _ in range(300):
+            text = " ".join(" ".join(rng.choice(words[k]) for k in words) + "." for _ in range(30))
+            f.write(json.dumps({"text": text}) + "\n")
+    out = tmp / f"data_{name}"
+    subprocess.run([sys.executable, "prepare_data.py", f"--dataset={tmp / name}.jsonl", f"--out_dir={out}",
+                    f"--vocab_size={vocab_size}", "--val_fraction=0.1", "--workers=1"],
+                   cwd=HERE, env=TRAIN_ENV, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def train_data(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("train"), "corpus", 512)
+
+
+def train_cli(train_data, out, *args, nproc=1, check=True):
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    else:
+        cmd = [sys.executable, "train.py"]
+    cmd += [f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args]
+    r = subprocess.run(cmd, cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+    if check and r.returncode != 0:
+        raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def logged_losses(out):
+    """{step: (loss, lr)} of the training lines in out/log.jsonl."""
+    records = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    return {r["step"]: (r["loss"], r["lr"]) for r in records if r["type"] == "train"}
+
+
+STEPS = 24  # the reference run, shared by the resume tests
+RUN = [f"--total_tokens={STEPS * 512}", "--eval_interval=1000", "--ckpt_interval=1000"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(train_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    train_cli(train_data, out, *RUN)
+    return logged_losses(out)
+
+
+# ---------------------------------------------------------------------------- training works
+
+
+def test_loss_decreases_and_eval_is_written(train_data, tmp_path):
+    out = tmp_path / "run"
+    r = train_cli(train_data, out, "--total_tokens=30720", "--eval_interval=30", "--lr=1e-2", "--warmup_steps=10")
+    curve = logged_losses(out)
+    assert len(curve) == 60 and "MFU" not in r.stdout  # CPU: no MFU
+    first, last = curve[1][0], np.mean([curve[s][0] for s in range(56, 61)])
+    assert first == pytest.approx(math.log(512), abs=0.05)  # zero-initialised head: uniform prediction
+    assert last < first - 2.5, (first, last)
+    result = json.load(open(out / "eval_step60.json"))
+    assert result["val_loss"] < first - 2.5 and result["val_ppl"] == pytest.approx(math.exp(result["val_loss"]))
+    assert result["eval_tokens"] == 2048 and sum(b["tokens"] for b in result["buckets"]) == 2048
+    assert 0 < result["val_bpb"] < result["val_loss"] / math.log(2)  # tokens are >= 1 byte each
+    config = json.load(open(out / "config.json"))
+    assert config["train"]["d_model"] == config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 512
+
+
+def test_two_process_ddp_matches_one_process_with_accumulation(train_data, tmp_path):
+    # 1 process: 2 micro-steps of 8 sequences; 2 processes: 1 micro-step each. Same global batch.
+    train_cli(train_data, tmp_path / "one", "--total_tokens=4096")
+    r = train_cli(train_data, tmp_path / "two", "--total_tokens=4096", nproc=2)
+    assert "2 x cpu, 1 micro-steps" in r.stdout
+    one, two = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
+    assert len(one) == len(two) == 8
+    for step in one:
+        assert two[step][0] == pytest.approx(one[step][0], abs=1e-5), step
+    ev1 = json.load(open(tmp_path / "one" / "eval_step8.json"))
+    ev2 = json.load(open(tmp_path / "two" / "eval_step8.json"))  # eval split over 2 ranks, reduced
+    assert ev2["eval_tokens"] == ev1["eval_tokens"] and ev2["val_loss"] == pytest.approx(ev1["val_loss"], abs=1e-5)
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(train_data, tmp_path, reference_run):
+    out = tmp_path / "run"
+    r = train_cli(train_data, out, *RUN, "--stop_step=10")
+    assert "stopped at step 10" in r.stdout and max(logged_losses(out)) == 10
+    train_cli(train_data, out, *RUN, "--resume")
+    assert logged_losses(out) == reference_run  # every step's loss and lr, bit for bit
+
+
+def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=1024", "--embedding=tied")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {"model", "optimizer", "model_config", "train_config", "step", "tokens_seen", "data_position",
+            "rng_cpu", "data_meta"} <= ckpt.keys()
+    assert ckpt["step"] == 2 and ckpt["tokens_seen"] == 1024 and ckpt["data_position"] == 32
+    model = Model(Config(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])  # the uncompiled model's keys
+    assert ckpt["data_meta"] == json.load(open(train_data / "meta.json"))
+    assert not os.path.exists(out / "ckpt.pt.tmp")
+
+
+def test_sigterm_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *RUN]
+    proc = subprocess.Popen(cmd, cwd=HERE, env=TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
+    assert "SIGTERM" in stdout and "Traceback" not in stderr
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 1 <= step < STEPS and max(logged_losses(out)) == step
+    train_cli(train_data, out, *RUN, "--resume")
+    assert logged_losses(out) == reference_run
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_path):
+    out = tmp_path / "run"
+    r = train_cli(train_data, out, "--total_tokens=5120", "--lr=1e30", "--warmup_steps=1", "--ckpt_interval=1", "--embedding=untied",
+            check=False)
+    assert r.returncode == 1 and "non-finite loss" in r.stderr and "Traceback" not in r.stderr
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert step == max(logged_losses(out)) < 10
+
+
+def test_every_training_window_once_per_epoch():
+    shards = [np.arange(start, start + n) for start, n in [(0, 41), (1000, 10), (2000, 33), (3000, 5)]]
+    windows = train.Windows(shards, seq_len=4, seed=7)
+    assert windows.total == 10 + 2 + 8 + 1  # (n - 1) // seq_len windows per shard
+    expected = sorted((s[0] // 1000, i) for s in shards for i in range(0, (len(s) - 1) // 4 * 4, 4))
+    epochs = []
+    for epoch in range(2):
+        got = [windows[epoch * windows.total + p] for p in range(windows.total)]
+        assert all(len(w) == 5 and np.array_equal(w, np.arange(w[0], w[0] + 5)) for w in got)
+        assert sorted((w[0] // 1000, w[0] % 1000) for w in got) == expected
+        epochs.append([int(w[0]) for w in got])
+    assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # shuffled, anew each epoch
+    again = train.Windows(shards, seq_len=4, seed=7)
+    assert [int(again[p][0]) for p in range(windows.total)] == epochs[0]  # deterministic
+
+
+# ---------------------------------------------------------------------------- frequency buckets
+
+
+def test_frequency_table_matches_hand_computed_buckets():
+    losses_ = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.5]
+    counts = [0, 1, 9, 10, 999, 0, 1000]
+    rows = train.frequency_table(losses_, counts, 5)
+    assert [r["counts"] for r in rows] == ["0", "1-9", "10-99", "100-999", "1000-9999"]
+    assert [r["tokens"] for r in rows] == [2, 2, 1, 1, 1]
+    # bucket 0: (1 + 6) / 2; 1-9: (2 + 3) / 2; 10-99: 4; 100-999: 5; 1000-9999: 0.5
+    assert [r["loss"] for r in rows] == pytest.approx([3.5, 2.5, 4.0, 5.0, 0.5])
+    assert [r["ppl"] for r in rows] == pytest.approx([math.exp(x) for x in (3.5, 2.5, 4.0, 5.0, 0.5)])
+    empty = train.frequency_table([2.0], [0], 3)
+    assert empty[1]["tokens"] == 0 and empty[1]["loss"] is None and empty[2]["ppl"] is None
+    # sums from two halves add up to the whole: what the all_reduce over ranks relies on
+    a, b = train.bucket_sums(losses_[:3], counts[:3], 5), train.bucket_sums(losses_[3:], counts[3:], 5)
+    assert train.bucket_table(a[0] + b[0], a[1] + b[1]) == rows
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def check_train_error(r, *phrases):
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
+def test_missing_data_names_the_prepare_command(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--dataset=nowhere", f"--out_dir={tmp_path / 'o'}"],
+                       cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True)
+    check_train_error(r, "python prepare_data.py --dataset=nowhere")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_options_are_one_line_errors(train_data, tmp_path):
+    out = tmp_path / "o"
+    check_train_error(train_cli(train_data, out, "--size=3b", check=False), "unknown size '3b'", "tiny")
+    check_train_error(train_cli(train_data, out, "--colour=red", check=False), "unknown option '--colour=red'", "--batch_tokens")
+    check_train_error(train_cli(train_data, out, "--lr=fast", check=False), "--lr=fast: expected float")
+    check_train_error(train_cli(train_data, out, "--embedding=sparse", check=False), "lev, tied, untied")
+    check_train_error(train_cli(train_data, out, "--batch_tokens=500", check=False), "batch_tokens=500 does not divide")
+    assert not out.exists()
+
+
+def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
+    r = train_cli(train_data, tmp_path / "o", "--batch_tokens=256", nproc=2, check=False)  # 256 = 1 x 8 x 32 only
+    assert r.returncode != 0
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        "error: batch_tokens=256 does not divide over world size 2 x micro_batch 8 x seq_len 32 = 512; "
+        "use a multiple of it"]
+
+
+def test_shard_from_another_tokenizer(train_data, tmp_path):
+    bad = tmp_path / "data"
+    shutil.copytree(train_data, bad)
+    meta = json.load(open(bad / "meta.json"))
+    json.dump({**meta, "vocab_size": 1024}, open(bad / "meta.json", "w"))
+    check_train_error(train_cli(bad, tmp_path / "o", check=False), "another tokenizer")
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path):
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=1024")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    check_train_error(train_cli(train_data, out, "--total_tokens=1024", check=False), "exists", "--resume")
+    check_train_error(train_cli(train_data, out, "--total_tokens=1024", "--resume", "--d_model=64", check=False),
+                "different config", "d_model=32 there, 64 here")
+    other = prepare_corpus(tmp_path, "other", 700)  # another tokenizer: 700 ids, padded to 768
+    check_train_error(train_cli(other, out, "--total_tokens=1024", "--resume", check=False), "vocab_size=512 there, 768 here")
+    check_train_error(train_cli(train_data, tmp_path / "none", "--resume", check=False), "no checkpoint")
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before

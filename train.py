@@ -1,0 +1,629 @@
+"""Train a Leviathan model (or one of its two baselines) on token shards from prepare_data.py.
+
+    python train.py --size=tiny --dataset=demo                 # CPU, a few minutes
+    python train.py --size=200m --embedding=tied               # one GPU
+    torchrun --nproc_per_node=8 train.py --size=1.2b           # DDP; add --nnodes/--rdzv_* for several nodes
+    python train.py --size=200m --resume                       # continue out/200m-lev exactly
+    python train.py --size=200m --eval_only                    # evaluate its checkpoint
+
+Every field of TrainConfig below is an option: --key=value (a bare --flag means true).
+Fields left at None take the value of the chosen --size (SIZE_DEFAULTS, and the model presets
+in leviathan.SIZES). `python train.py --help` lists them all with their defaults.
+"""
+import dataclasses, inspect, json, math, os, signal, sys, time, types
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
+from prepare_data import ShardError, load_meta, read_shard, shard_paths, tokenizer_from_meta
+
+
+@dataclass
+class TrainConfig:
+    # what to train, on what
+    size: str = "tiny"  # tiny | 200m | 400m | 1.2b (leviathan.SIZES)
+    embedding: str = "lev"  # lev (Leviathan) | tied (the paper's baseline) | untied (ablation)
+    dataset: str | None = None  # reads data/<dataset>/ (prepare_data.py); tiny: demo, others: pile
+    data_dir: str = ""  # a data folder given directly (overrides --dataset)
+    out_dir: str = ""  # default out/<size>-<embedding>
+    # model shape: None keeps the size preset (vocab_size always comes from the data)
+    d_model: int | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    seq_len: int | None = None
+    rope_theta: float | None = None
+    lev_digits: int | None = None
+    lev_seed_dim: int | None = None
+    lev_heads: int | None = None
+    lev_knots: int | None = None
+    lev_rank: int | None = None
+    # budget, batch and optimiser: None takes SIZE_DEFAULTS[size]
+    total_tokens: int | None = None  # training tokens; steps = total_tokens // batch_tokens
+    batch_tokens: int | None = None  # tokens per optimizer step, over all GPUs (fixed whatever the world size)
+    micro_batch: int | None = None  # sequences per GPU per forward pass; accumulation fills the rest
+    lr: float | None = None  # peak learning rate
+    warmup_steps: int | None = None
+    min_lr_frac: float = 0.1  # cosine decay ends at min_lr_frac * lr
+    weight_decay: float = 0.1  # backbone and head matrices only (see make_optimizer)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337  # model init and data order
+    # evaluation, logging, checkpoints
+    eval_interval: int | None = None  # steps between evaluations (and one at the end)
+    eval_tokens: int | None = None  # validation tokens evaluated (the first ones of the val split)
+    log_interval: int = 10
+    ckpt_interval: int | None = None
+    eval_only: bool = False  # evaluate out_dir/ckpt.pt and exit
+    resume: bool = False  # continue from out_dir/ckpt.pt
+    stop_step: int = 0  # save and exit after this step, schedule unchanged (0: run to the end)
+    # hardware
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool | None = None  # torch.compile; None: on for CUDA, off for CPU
+    wandb_project: str = ""  # log to Weights & Biases (needs `pip install wandb`)
+    wandb_run_name: str = ""
+
+
+# Paper sizes follow the paper's v1 setup: 512 sequences of 512 tokens per step and ~20 tokens per
+# parameter (the v2 budgets). The paper publishes no learning rate, warmup or weight decay; ours are
+# the conservative GPT-3/Pythia values for these sizes (LEV's output is a product of 128 factors and
+# spikes at too high a learning rate) with ~262M tokens of warmup (GPT-3 used 375M).
+# micro_batch 16 is our estimate for an 80 GB GPU: the float32 [16, 512, 200k] logits and their
+# gradient (~20 GB) dominate; gradient accumulation fills the rest of the batch.
+# tiny departs from 20 tokens/param (that would be ~45M tokens): 2.7M tokens (660 steps, ~3/4 of a
+# pass over the demo corpus) take ~6.5 minutes at the ~7k tokens/s of a 2-core CPU. Its lr 3e-3 was
+# checked smooth for all three arms; 1e-2 made LEV spike.
+SIZE_DEFAULTS = {
+    "tiny": dict(dataset="demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
+                 warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200),
+    "200m": dict(dataset="pile", total_tokens=4_200_000_000, batch_tokens=512 * 512, micro_batch=16, lr=6e-4,
+                 warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000),
+    "400m": dict(dataset="pile", total_tokens=8_400_000_000, batch_tokens=512 * 512, micro_batch=16, lr=3e-4,
+                 warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000),
+    "1.2b": dict(dataset="pile", total_tokens=24_100_000_000, batch_tokens=512 * 512, micro_batch=16, lr=2e-4,
+                 warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000),
+}
+MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
+# On --resume these may change freely; every other field changes the loss curve and must match.
+RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
+               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile",
+               "wandb_project", "wandb_run_name"}
+# Peak dense bf16 FLOP/s per GPU, for MFU; matched in order on torch.cuda.get_device_name().
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("B200", 2250e12),
+              ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)]
+
+
+class TrainError(Exception):
+    """Bad input or a failed run; reported as one `error:` line on stderr."""
+
+
+# ---------------------------------------------------------------------------- configuration
+
+def parse_args(argv):
+    """--key=value pairs -> {field: typed value}. Only the keys given: --resume needs to know them."""
+    types_ = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    given = {}
+    for arg in argv:
+        if arg in ("-h", "--help"):  # the dataclass source is the most readable list of options
+            print(__doc__ + "\nOptions (--name=value), with their defaults:\n")
+            print("\n".join(inspect.getsource(TrainConfig).splitlines()[2:]))
+            sys.exit(0)
+        key, eq, value = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or key not in types_:
+            raise TrainError(f"unknown option {arg!r}; valid options: {', '.join('--' + k for k in types_)}")
+        kind = types_[key]
+        if isinstance(kind, types.UnionType):  # `int | None`: parse as int
+            kind = next(t for t in kind.__args__ if t is not type(None))
+        given[key] = convert(key, kind, value if eq else "true")
+    return given
+
+
+def convert(key, kind, text):
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        if kind is int:  # accept 262_144 and 4.2e9 (when whole)
+            number = float(text.replace("_", ""))
+            if number != int(number):
+                raise ValueError
+            return int(number)
+        return kind(text.replace("_", "")) if kind is float else text
+    except ValueError:
+        raise TrainError(f"--{key}={text}: expected {kind.__name__}") from None
+
+
+def resolve(given, saved=None):
+    """The full TrainConfig: the options given over (the checkpoint's saved config, when resuming,
+    or) the defaults of the chosen size."""
+    if saved is not None:
+        changed = {k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v}
+        if changed:
+            raise TrainError("the checkpoint comes from a different config: " + ", ".join(
+                f"{k}={saved.get(k)} there, {given[k]} here" for k in sorted(changed)) + "; use another --out_dir")
+        try:
+            return TrainConfig(**{**saved, **given})
+        except TypeError as e:  # a checkpoint from another version of train.py
+            raise TrainError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
+    tc = TrainConfig(**given)
+    if tc.size not in SIZES:
+        raise TrainError(f"unknown size {tc.size!r}; choose one of {', '.join(SIZES)}")
+    if tc.embedding not in EMBEDDINGS:
+        raise TrainError(f"unknown embedding {tc.embedding!r}; choose one of {', '.join(EMBEDDINGS)}")
+    for key, value in SIZE_DEFAULTS[tc.size].items():
+        if getattr(tc, key) is None:
+            setattr(tc, key, value)
+    for key in MODEL_FIELDS:
+        if getattr(tc, key) is None:
+            setattr(tc, key, getattr(SIZES[tc.size], key))
+    tc.out_dir = tc.out_dir or os.path.join("out", f"{tc.size}-{tc.embedding}")
+    positive = ["total_tokens", "batch_tokens", "micro_batch", "lr", "eval_interval", "eval_tokens",
+                "log_interval", "ckpt_interval", "grad_clip"]
+    bad = [k for k in positive if getattr(tc, k) <= 0] + (["warmup_steps"] if tc.warmup_steps < 0 else [])
+    if bad:
+        raise TrainError(f"{', '.join('--' + k for k in bad)} must be positive")
+    return tc
+
+
+def model_config(tc, meta):
+    try:
+        return Config(vocab_size=padded_vocab(meta["vocab_size"]), embedding=tc.embedding,
+                      **{k: getattr(tc, k) for k in MODEL_FIELDS})
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- data
+
+def open_data(tc):
+    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
+    data_dir = tc.data_dir or os.path.join("data", tc.dataset)
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        command = "python prepare_data.py" + ("" if tc.dataset == "pile" else f" --dataset={tc.dataset}")
+        raise TrainError(f"no prepared data in {data_dir} (meta.json missing): run `{command}` first"
+                         if not tc.data_dir else f"no prepared data in {data_dir} (meta.json missing)")
+    meta = load_meta(data_dir)
+    splits = {}
+    for split in ("train", "val"):
+        paths = shard_paths(data_dir, split)
+        if not paths:
+            raise TrainError(f"{data_dir} has no {split} shards; run prepare_data.py again")
+        splits[split] = [read_shard(p) for p in paths]
+        for path in paths:  # header[4]: the vocabulary the shard was tokenized with
+            vocab = int(np.fromfile(path, "<i4", 5)[4])
+            if vocab != meta["vocab_size"]:
+                raise TrainError(f"{path} was made with a {vocab}-id tokenizer but {data_dir}/meta.json "
+                                 f"says {meta['vocab_size']}: shards from another tokenizer; prepare the data again")
+    if not os.path.isfile(os.path.join(data_dir, "counts.npy")):
+        raise TrainError(f"{data_dir}/counts.npy is missing; run prepare_data.py again")
+    counts = np.load(os.path.join(data_dir, "counts.npy"))
+    return meta, splits, counts
+
+
+class Windows:
+    """Training sequences: windows of seq_len + 1 tokens starting every seq_len tokens inside each
+    shard (each token is a target at most once per pass). Window number p of the run is drawn from
+    a seeded per-epoch shuffle: the shards in a random order, each shard's windows in a random order.
+    Two levels keep the memory small for a corpus of billions of tokens (the shards themselves are
+    cut from a shuffled document stream), and window p is the same whatever the world size, so the
+    data position is just the number of windows consumed."""
+
+    def __init__(self, shards, seq_len, seed):
+        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+        self.sizes = np.array([(len(s) - 1) // seq_len for s in shards])
+        self.total = int(self.sizes.sum())
+        self.epoch, self.shard = None, None  # the shuffles in use; consecutive windows share them
+
+    def __getitem__(self, p):
+        epoch, q = divmod(p, self.total)
+        if self.epoch != epoch:
+            self.epoch, self.shard = epoch, None
+            self.shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+            self.ends = np.cumsum(self.sizes[self.shard_order])  # where each shard ends in the epoch
+        k = int(np.searchsorted(self.ends, q, side="right"))
+        if self.shard != k:
+            self.shard = k
+            shard = self.shard_order[k]
+            self.window_order = np.random.default_rng([self.seed, epoch, shard]).permutation(self.sizes[shard])
+        start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
+        return self.shards[self.shard_order[k]][start:start + self.seq_len + 1]
+
+
+def val_windows(shards, seq_len, n):
+    """The first n windows of the validation split, in order: the same tokens at every evaluation."""
+    out = []
+    for s in shards:
+        out += [s[i * seq_len:(i + 1) * seq_len + 1] for i in range((len(s) - 1) // seq_len)]
+    return out[:n]
+
+
+def to_batch(windows, device):
+    xy = torch.from_numpy(np.stack(windows).astype(np.int64))
+    if device.type == "cuda":
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    return xy[:, :-1], xy[:, 1:]
+
+
+# ---------------------------------------------------------------------------- frequency buckets
+
+def bucket_sums(losses, target_counts, n_buckets):
+    """Per-token losses (nats) and each target's count in the training data -> summed nats and
+    tokens per bucket. Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j); n_buckets must
+    cover the largest count. Sums (not means) so that ranks can add theirs with one all_reduce."""
+    edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
+    bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
+    nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
+    return nats, np.bincount(bucket, minlength=n_buckets)
+
+
+def bucket_table(nats, tokens):
+    """Rows {counts, tokens, loss, ppl} per bucket; loss and ppl are None for an empty bucket."""
+    rows = []
+    for j, (n, t) in enumerate(zip(nats, tokens)):
+        label = "0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}"
+        loss = float(n / t) if t else None
+        rows.append(dict(counts=label, tokens=int(t), loss=loss, ppl=math.exp(loss) if t else None))
+    return rows
+
+
+def frequency_table(losses, target_counts, n_buckets):
+    """The paper's frequency-stratified analysis: validation perplexity per bucket of target-token
+    training frequency, from per-token losses and the training counts of their targets."""
+    return bucket_table(*bucket_sums(losses, target_counts, n_buckets))
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(model, windows, run):
+    """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
+    Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
+    n_buckets = run.n_buckets
+    nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
+    mine = windows[run.rank::run.world]
+    for i in range(0, len(mine), run.tc.micro_batch):
+        x, y = to_batch(mine[i:i + run.tc.micro_batch], run.device)
+        with run.autocast:
+            logits, _ = model(x, y)
+        losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+        targets = y.flatten().cpu().numpy()
+        n, t = bucket_sums(losses.double().cpu().numpy(), run.counts[targets], n_buckets)
+        nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
+    sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
+    if run.world > 1:
+        dist.all_reduce(sums)
+    nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
+    loss = nats.sum() / tokens.sum()
+    return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
+                eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
+
+
+def report_eval(result, step, run):
+    print(f"eval step {step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
+          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
+    print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
+    for row in result["buckets"]:
+        if row["tokens"]:
+            print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
+    record = dict(step=step, tokens_seen=step * run.tc.batch_tokens, **result)
+    write_json(os.path.join(run.tc.out_dir, f"eval_step{step}.json"), record)
+    log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
+
+
+# ---------------------------------------------------------------------------- checkpoints and logs
+
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def log_record(run, record):
+    with open(os.path.join(run.tc.out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if run.wandb:
+        run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+
+
+def save_checkpoint(run, step):
+    """Atomic: a crash while writing leaves the previous checkpoint intact."""
+    ckpt = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
+                model_config=asdict(run.cfg), train_config=asdict(run.tc), data_meta=run.meta,
+                step=step, tokens_seen=step * run.tc.batch_tokens, data_position=step * run.step_windows,
+                rng_cpu=torch.get_rng_state(),
+                rng_cuda=torch.cuda.get_rng_state() if run.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8))
+    path = os.path.join(run.tc.out_dir, "ckpt.pt")
+    torch.save(ckpt, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+CKPT_KEYS = ("model", "optimizer", "model_config", "train_config", "data_meta", "step", "data_position", "rng_cpu")
+
+
+def load_checkpoint(path, device):
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise TrainError(f"could not read {path} ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or not set(CKPT_KEYS) <= ckpt.keys():
+        raise TrainError(f"{path} is not a train.py checkpoint (it lacks {', '.join(CKPT_KEYS)})")
+    return ckpt
+
+
+def check_checkpoint(ckpt, cfg, meta, path):
+    here = asdict(cfg)
+    if ckpt["model_config"] != here:
+        diff = [f"{k}={ckpt['model_config'].get(k)} there, {here.get(k)} here"
+                for k in sorted(here.keys() | ckpt["model_config"].keys()) if ckpt["model_config"].get(k) != here.get(k)]
+        raise TrainError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
+                         "tokenizer or other model options; use the checkpoint's or another --out_dir")
+    same = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
+    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same):
+        raise TrainError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
+                         f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                         f"{meta.get('vocab_size')} ids)")
+
+
+def keep_log_until(path, step):
+    """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
+    if os.path.exists(path):
+        lines = [line for line in open(path) if json.loads(line)["step"] <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------- setup
+
+class Run(types.SimpleNamespace):
+    """Everything the loop needs, in one place."""
+
+
+def setup_device(tc):
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    kind = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cpu", "cuda"):
+        raise TrainError(f"--device={tc.device}: use auto, cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device=cuda but no CUDA GPU is available; use --device=cpu")
+    device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32 for any float32 matmul left outside autocast
+    else:
+        # Denormal floats (e.g. tiny Adam moments late in training) are very slow on x86 CPUs.
+        torch.set_flush_denormal(True)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", device_id=device if kind == "cuda" else None)
+    return device, rank, world
+
+
+def setup(argv):
+    given = parse_args(argv)
+    tc = resolve(given)  # also fixes the default out_dir
+    path = os.path.join(given.get("out_dir") or tc.out_dir, "ckpt.pt")
+    loading = tc.resume or tc.eval_only
+    if loading and not os.path.exists(path):
+        raise TrainError(f"no checkpoint {path} to {'resume' if tc.resume else 'evaluate'}; "
+                         "train first (without --resume), or pass the run's --out_dir")
+    if not loading and os.path.exists(path):
+        raise TrainError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+    device, rank, world = setup_device(tc)
+    ckpt = load_checkpoint(path, device) if loading else None
+    if ckpt is not None:
+        tc = resolve(given, ckpt["train_config"])
+    meta, splits, counts = open_data(tc)
+    cfg = model_config(tc, meta)
+    if ckpt is not None:
+        check_checkpoint(ckpt, cfg, meta, path)
+    per_step = world * tc.micro_batch * tc.seq_len
+    if tc.batch_tokens % per_step:
+        raise TrainError(f"batch_tokens={tc.batch_tokens:,} does not divide over world size {world} x micro_batch "
+                         f"{tc.micro_batch} x seq_len {tc.seq_len} = {per_step:,}; use a multiple of it")
+    if tc.total_tokens < tc.batch_tokens:
+        raise TrainError(f"total_tokens={tc.total_tokens:,} is less than one step of batch_tokens={tc.batch_tokens:,}")
+    train = Windows(splits["train"], tc.seq_len, tc.seed)
+    val = val_windows(splits["val"], tc.seq_len, max(1, tc.eval_tokens // tc.seq_len))
+    if train.total == 0 or not val:
+        raise TrainError(f"the data is shorter than one window of seq_len + 1 = {tc.seq_len + 1} tokens")
+    if tc.wandb_project and rank == 0:
+        try:
+            import wandb  # noqa: F401  (checked now, started once the run folder exists)
+        except ImportError:
+            raise TrainError("--wandb_project needs wandb: pip install wandb") from None
+    return Run(tc=tc, cfg=cfg, meta=meta, counts=counts, ckpt=ckpt, train=train, val=val, device=device,
+               rank=rank, world=world, accum=tc.batch_tokens // per_step, step_windows=tc.batch_tokens // tc.seq_len,
+               max_steps=tc.total_tokens // tc.batch_tokens, wandb=None,
+               byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(),
+               # count 0, then as many decades (1-9, 10-99, ...) as the most frequent token needs
+               n_buckets=1 + len(str(max(1, int(counts.max())))))
+
+
+def make_optimizer(model, tc, device):
+    # AdamW with weight decay on the backbone and head matrices only: norms are scales, and the
+    # input side (LEV, the untied table) is left alone, since decay would shrink LEV's product of 128
+    # factors exponentially and erase a rare token's row between its few gradients. In the tied arm
+    # the shared table is also the head, so it is decayed. (Model.configure_optimizers.)
+    return model.configure_optimizers(tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), fused=device.type == "cuda")
+
+
+def lr_at(step, tc, max_steps):
+    """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, max_steps - tc.warmup_steps)
+    return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# ---------------------------------------------------------------------------- training
+
+STOP = {"signal": None}
+
+
+def on_signal(signum, frame):
+    # Only note it: the step in flight finishes and is checkpointed by train(). A second Ctrl-C
+    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
+    # Ctrl-C) is ignored so that the save can finish.
+    if STOP["signal"] is not None:
+        if signum == signal.SIGINT == STOP["signal"]:
+            raise SystemExit(128 + signum)
+        return
+    STOP["signal"] = signum
+    print(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step", flush=True)
+
+
+def train_step(run, step, position):
+    """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
+    (r * accum + m) of the step's windows, so the batch is the same for any world size."""
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, run.tc, run.max_steps)
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(run.accum):
+        first = position + (run.rank * run.accum + micro) * run.tc.micro_batch
+        x, y = to_batch([run.train[p] for p in range(first, first + run.tc.micro_batch)], run.device)
+        last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
+        with run.autocast, (run.ddp.no_sync() if run.ddp and not last else nullcontext()):
+            _, loss = run.step_model(x, y)
+        (loss / run.accum).backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.tc.grad_clip)
+    # One all_reduce for the mean loss and "did any rank get a signal", so all ranks stop together.
+    shared = torch.stack([loss_sum / run.accum, torch.tensor(float(STOP["signal"] is not None), device=run.device)])
+    if run.world > 1:
+        dist.all_reduce(shared)
+    loss, stop, grad_norm = shared[0].item() / run.world, shared[1].item() > 0, grad_norm.item()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise TrainError(f"non-finite loss ({loss}) or gradient norm at step {step + 1}: stopped without updating; "
+                         "the last good checkpoint is kept (try a lower --lr)")
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, stop
+
+
+def log_step(run, step, loss, grad_norm, seconds, steps_done):
+    tokens_per_s = steps_done * run.tc.batch_tokens / seconds
+    eta = (run.max_steps - step) * seconds / steps_done
+    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, run.tc, run.max_steps), grad_norm=grad_norm,
+                  tokens_seen=step * run.tc.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
+    line = (f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
+            f"{tokens_per_s:,.0f} tok/s")
+    if run.peak_flops:
+        record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * run.world)
+        line += f" | MFU {100 * record['mfu']:.1f}%"
+    print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
+    log_record(run, record)
+
+
+def train(run):
+    tc, step = run.tc, run.ckpt["step"] if run.ckpt else 0
+    if step >= run.max_steps:
+        print(f"the run is complete ({step} steps); nothing to do")
+        return 0
+    position = run.ckpt["data_position"] if run.ckpt else 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    t0, since = time.time(), 0
+    while step < run.max_steps:
+        loss, grad_norm, stop = train_step(run, step, position)
+        step, position, since = step + 1, position + run.step_windows, since + 1
+        stop = stop or step == tc.stop_step
+        if run.rank == 0 and (step % tc.log_interval == 0 or step == run.max_steps or stop):
+            log_step(run, step, loss, grad_norm, time.time() - t0, since)
+            t0, since = time.time(), 0
+        if step % tc.eval_interval == 0 or step == run.max_steps:
+            result = evaluate(run.eval_model, run.val, run)
+            if run.rank == 0:
+                report_eval(result, step, run)
+            t0, since = time.time(), 0  # tokens/s counts training only
+        if run.rank == 0 and (step % tc.ckpt_interval == 0 or step == run.max_steps or stop):
+            save_checkpoint(run, step)
+        if stop:
+            why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={tc.stop_step}"
+            if run.rank == 0:
+                print(f"stopped at step {step} ({why}); checkpoint saved: continue with the same command plus --resume")
+            return 128 + STOP["signal"] if STOP["signal"] else 0
+    if run.rank == 0:
+        print(f"done: {step} steps, {step * tc.batch_tokens:,} tokens; checkpoint {tc.out_dir}/ckpt.pt")
+    return 0
+
+
+def print_error(e):
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
+
+
+def main(argv):
+    try:
+        run = setup(argv)
+    except (TrainError, ShardError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print_error(e)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 1
+    tc, cfg = run.tc, run.cfg
+    torch.manual_seed(tc.seed)
+    run.model = Model(cfg).to(run.device)
+    run.optimizer = make_optimizer(run.model, tc, run.device)
+    if run.ckpt:
+        run.model.load_state_dict(run.ckpt["model"])
+        run.optimizer.load_state_dict(run.ckpt["optimizer"])
+        torch.set_rng_state(run.ckpt["rng_cpu"])
+        if run.device.type == "cuda" and run.ckpt["rng_cuda"].numel():
+            torch.cuda.set_rng_state(run.ckpt["rng_cuda"])
+    cuda = run.device.type == "cuda"
+    run.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    run.eval_model = run.model
+    if tc.compile if tc.compile is not None else cuda:
+        if cfg.embedding == "lev":
+            run.model.lev.compile_generator()  # LEV's torch.unique stays outside the graph
+        run.eval_model = torch.compile(run.model)
+    run.ddp = None
+    run.step_model = run.eval_model
+    if run.world > 1:
+        run.ddp = torch.nn.parallel.DistributedDataParallel(run.eval_model, device_ids=[run.device] if cuda else None)
+        run.step_model = run.ddp
+    name = torch.cuda.get_device_name(run.device) if cuda else ""
+    run.peak_flops = next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    run.flops_per_token = run.model.flops_per_token()
+    if run.rank == 0:
+        os.makedirs(tc.out_dir, exist_ok=True)
+        counts = run.model.param_counts()
+        print(f"config: {json.dumps(asdict(tc))}\nmodel: {json.dumps(asdict(cfg))}")
+        print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; "
+              f"{run.world} x {run.device.type}, {run.accum} micro-steps of {tc.micro_batch} x {tc.seq_len} per step")
+        if not tc.eval_only:
+            write_json(os.path.join(tc.out_dir, "config.json"), dict(train=asdict(tc), model=asdict(cfg)))
+            # a resumed run keeps its log up to the checkpoint; a new run starts a new log
+            keep_log_until(os.path.join(tc.out_dir, "log.jsonl"), run.ckpt["step"] if run.ckpt else 0)
+        if tc.wandb_project:
+            import wandb
+            run.wandb = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or None, resume="allow",
+                                   config=dict(train=asdict(tc), model=asdict(cfg), params=counts))
+    try:
+        if tc.eval_only:
+            result = evaluate(run.eval_model, run.val, run)
+            if run.rank == 0:
+                report_eval(result, run.ckpt["step"], run)
+            code = 0
+        else:
+            code = train(run)
+    except TrainError as e:  # raised on every rank alike (the loss is all-reduced)
+        if run.rank == 0:
+            print_error(e)
+        code = 1
+    if dist.is_initialized():
+        # The barrier lets gloo's worker threads finish the last collective first: destroying the
+        # group while one still releases a Python-owned tensor deadlocks on the GIL (pytorch#56297).
+        dist.barrier()
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
