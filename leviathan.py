@@ -143,7 +143,8 @@ class SplineProduct(torch.autograd.Function):
     basis [h, d_seed, N, kappa] @ spline [h, d_seed, kappa, r] -> phi [h, d_seed, N, r],
     reduced over d_seed to M [h, N, r]. phi is the one big tensor in LEV (d_seed * r
     floats per head and id), so it is never stored: the forward pass saves the basis
-    (kappa / r = 1/4 of phi's size) and the backward pass recomputes phi.
+    (kappa / r of phi's size: 1/4 with the paper's r = 64) and the backward pass
+    recomputes phi.
 
     (R) A direct product of 128 factors under- or overflows, so M is computed as
     sign-parity * exp(sum_d log|phi_d|). The backward pass needs no logs at all:
