@@ -11,8 +11,8 @@ import argparse
 import contextlib
 import io
 import itertools
-import os
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -188,18 +188,19 @@ def bench_sample(args, device):
 def bench_train(args, device):
     """The real training loop (train.py on the demo corpus, tiny preset): tokens/s of each arm,
     runs interleaved. Needs `python prepare_data.py --dataset=demo` first."""
-    rates = {e: [] for e in EMBEDDINGS}
+    rates, steps = {e: [] for e in EMBEDDINGS}, 60
+    tiny_batch_tokens = 16 * 256  # train.py's tiny default: 16 sequences of 256
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, embedding in itertools.product(range(args.repeats), EMBEDDINGS):
             out_dir = os.path.join(tmp, f"{embedding}{repeat}")
             subprocess.run([sys.executable, "train.py", "--size=tiny", "--dataset=demo", f"--device={device.type}",
-                            f"--embedding={embedding}", "--total_tokens=245760", "--eval_interval=1000",
+                            f"--embedding={embedding}", f"--total_tokens={steps * tiny_batch_tokens}", "--eval_interval=1000",
                             f"--out_dir={out_dir}"], check=True, capture_output=True)
             with open(os.path.join(out_dir, "log.jsonl")) as f:
                 records = [json.loads(line) for line in f]
             # the first log interval includes start-up; the rest is steady-state training
             rates[embedding] += [r["tokens_per_s"] for r in records if r["type"] == "train" and r["step"] > 10]
-    print(f"\ntraining loop, tiny preset on the demo corpus, {device.type} ({args.repeats} interleaved runs of 60 steps)")
+    print(f"\ntraining loop, tiny preset on the demo corpus, {device.type} ({args.repeats} interleaved runs of {steps} steps)")
     base = statistics.median(rates["tied"])
     for embedding in EMBEDDINGS:
         rate = statistics.median(rates[embedding])

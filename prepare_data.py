@@ -498,10 +498,17 @@ class _Progress:
 
 # ---------------------------------------------------------------------------- driver
 
-def _write_json(path, obj):
+def write_json(path, obj):
+    """Atomically (temporary file, then rename): a crash leaves the old file or the new one."""
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=2)
     os.replace(path + ".tmp", path)
+
+
+def print_error(e):
+    """Report a user mistake as one `error:` line on stderr, however many lines e holds
+    (train.py and sample.py report theirs the same way)."""
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
 
 
 def _parse_args(argv):
@@ -580,7 +587,7 @@ def _load_progress(out_dir, config):
 def _run_split(split, docs, keep, tok, args, out_dir, progress):
     state = progress["splits"][split]
     budget = (args.max_tokens or float("inf")) if split == "train" else args.val_tokens
-    save = functools.partial(_write_json, os.path.join(out_dir, "progress.json"), progress)
+    save = functools.partial(write_json, os.path.join(out_dir, "progress.json"), progress)
     writer = _SplitWriter(out_dir, split, tok.n_vocab, args.shard_tokens, budget, state, save)
     meter = _Progress(split, state["tokens"], args.max_tokens if split == "train" else None)
     start = state["next_doc"]  # documents before it are already in complete shards: not re-encoded
@@ -636,7 +643,7 @@ def prepare(argv=None):
                 splits={s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")}
                         for s in SPLITS},
                 command=shlex.join(["python", "prepare_data.py", *argv]))
-    _write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
+    write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
     return meta
 
 
@@ -644,7 +651,7 @@ def main(argv=None):
     try:
         meta = prepare(argv)
     except (PrepareError, ShardError, OSError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever e holds
+        print_error(e)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted: complete shards are kept; run the same command to resume", file=sys.stderr)

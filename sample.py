@@ -15,7 +15,7 @@ import argparse, os, sys, time
 import torch
 
 from leviathan import Config, Model
-from prepare_data import tokenizer_from_meta
+from prepare_data import print_error, tokenizer_from_meta
 
 
 class SampleError(ValueError):
@@ -277,7 +277,7 @@ def main(argv=None):
     try:
         sample(parse_args(argv))
     except SampleError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever e holds
+        print_error(e)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

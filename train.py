@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
-from prepare_data import ShardError, load_meta, read_shard, shard_paths, tokenizer_from_meta
+from prepare_data import (ShardError, load_meta, print_error, read_shard, shard_paths, tokenizer_from_meta,
+                          write_json)
 
 
 @dataclass
@@ -318,12 +319,6 @@ def report_eval(result, step, run):
 
 # ---------------------------------------------------------------------------- checkpoints and logs
 
-def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
-
-
 def log_record(run, record):
     with open(os.path.join(run.tc.out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -551,10 +546,6 @@ def train(run):
     if run.rank == 0:
         print(f"done: {step} steps, {step * tc.batch_tokens:,} tokens; checkpoint {tc.out_dir}/ckpt.pt")
     return 0
-
-
-def print_error(e):
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
 
 
 def main(argv):
