@@ -79,7 +79,7 @@ class PeakMemory:
 def train_step(model, optimizer, batch, device):
     x, y = batch[:, :-1].to(device), batch[:, 1:].to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        _, loss = model(x, y)
+        loss = model(x, y)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -321,6 +321,75 @@ SIZES = {
 
 
 # -----------------------------------------------------------------------------
+# The loss: cross-entropy through the head without the [tokens, V] logits
+
+# Positions per chunk of the loss: chunk * V float32 logits (128 MB) at a time, e.g. 167
+# positions at V = 200k, and the whole 4,096-token micro-batch at the tiny preset's V = 8,192.
+LOSS_CHUNK_LOGITS = 1 << 25
+
+
+def loss_chunks(n, vocab_size):
+    step = max(1, LOSS_CHUNK_LOGITS // vocab_size)
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def head_dtype(x, weight):
+    """The dtype the head's matmul runs in: the autocast dtype when autocast is on
+    (bf16 on GPU), else the weight's. Cast once, not once per chunk."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+@torch.no_grad()
+def token_losses(x, weight, targets):
+    """Per-token cross-entropy (nats) of logits = x W^T, for evaluation: [N, D] -> [N]."""
+    w = weight.to(head_dtype(x, weight))
+    return torch.cat([F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
+                      for c in loss_chunks(len(x), len(w))])
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits = x W^T, chunk by chunk over positions.
+
+    Materialised whole, the logits, their log-softmax and their gradient are three float32
+    [N, V] tensors: ~20 GB for one 8,192-token micro-batch at V = 200k. Here each chunk's
+    logits live only long enough to give its loss and, at once, the gradients
+    dL/dx = G W and dL/dW = G^T x with G = (softmax - onehot) / N; backward only scales
+    them by the incoming gradient. Same arithmetic as autograd, one chunk of logits at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets):
+        n = len(x)
+        w = weight.to(head_dtype(x, weight))
+        total = torch.zeros((), device=x.device)
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for c in loss_chunks(n, len(w)):
+            x_c, target_c = x[c].to(w.dtype), targets[c]
+            logits = F.linear(x_c, w).float()
+            lse = logits.logsumexp(-1)
+            total += (lse - logits.gather(1, target_c[:, None]).squeeze(1)).sum()
+            if grad_x is None and grad_w is None:
+                continue
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g.scatter_add_(1, target_c[:, None], torch.full_like(g[:, :1], -1.0))
+            g = g.div_(n).to(w.dtype)
+            if grad_x is not None:
+                grad_x[c] = g @ w
+            if grad_w is not None:
+                grad_w += (g.t() @ x_c).float()
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_x, grad_w)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return (None if grad_x is None else grad_x * grad_loss.to(grad_x.dtype),
+                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None)
+
+
+# -----------------------------------------------------------------------------
 # The model: input embedding (one of three arms) -> blocks -> RMSNorm -> head
 
 
@@ -367,9 +436,10 @@ class Model(nn.Module):
             return F.embedding(idx, self.frozen_table)
         return self.lev(idx) if self.cfg.embedding == "lev" else self.embed(idx)
 
-    def forward(self, idx, targets=None, cache=None):
-        """idx [B, T] -> (logits, loss). With targets: logits at every position and the
-        mean cross-entropy. Without: logits of the last position only (generation)."""
+    def forward(self, idx, targets=None, cache=None, reduction="mean"):
+        """idx [B, T] -> float32 logits [B, T, V] for every position. With targets, the
+        cross-entropy instead (the mean, or per token [B, T] with reduction="none"),
+        computed chunk by chunk so the full-vocabulary logits never exist at once."""
         start = cache.length if cache is not None else 0
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"{start + idx.shape[1]} positions exceed seq_len={self.cfg.seq_len}")
@@ -382,10 +452,10 @@ class Model(nn.Module):
             cache.length += idx.shape[1]
         x = self.norm(x)
         if targets is None:
-            return self.head(x[:, -1:]).float(), None
-        logits = self.head(x).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
+            return self.head(x).float()
+        if reduction == "none":
+            return token_losses(x.flatten(0, 1), self.head.weight, targets.flatten()).view(targets.shape)
+        return LinearCrossEntropy.apply(x.flatten(0, 1), self.head.weight, targets.flatten())
 
     def new_cache(self, batch, device=None, dtype=None):
         p = self.head.weight
@@ -416,15 +486,26 @@ class Model(nn.Module):
         matmul_params = counts["backbone"] + self.head.weight.numel()
         return 6 * matmul_params + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.seq_len
 
-    def configure_optimizers(self, lr, weight_decay, betas=(0.9, 0.95), fused=False):
-        """AdamW with weight decay on the backbone and head matrices only.
-        No decay on norms (scales), input tables (a rare token's row gets few gradients
-        and decay would erase it between them) or LEV: its output is a product of 128
-        factors near 1, and pulling S toward 0 would shrink every M_l exponentially."""
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            input_side = name.startswith(("lev.", "embed.")) and self.cfg.embedding != "tied"
-            (decay if p.dim() >= 2 and not input_side else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+    def configure_optimizers(self, lr, weight_decay, betas=(0.9, 0.95), fused=False, lr_input=1.0, lr_head=1.0):
+        """AdamW with three kinds of parameters, each group carrying an `lr_scale` that the
+        training loop multiplies into the scheduled rate:
+        - backbone: matrices decayed, norm weights (scales) not; lr_scale 1.
+        - input side (LEV or the untied table): lr_scale lr_input, no decay. LEV's output is
+          a product of 128 factors near 1, so one step on every factor moves log M_l ~128
+          times as far and decay would shrink M_l exponentially; a rare token's table row
+          gets few gradients and decay would erase it between them.
+        - untied head: lr_scale lr_head, decayed. It starts at zero and wants a higher rate.
+        The tied table is both input and head: one group, decayed, lr_scale lr_input."""
+        tied = self.cfg.embedding == "tied"
+        backbone = [p for n, p in self.named_parameters() if n.startswith(("blocks.", "norm."))]
+        input_side = list((self.embed if self.cfg.embedding != "lev" else self.lev).parameters())
+        groups = [
+            {"params": [p for p in backbone if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
+            {"params": [p for p in backbone if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
+            {"params": input_side, "weight_decay": weight_decay if tied else 0.0, "lr_scale": lr_input},
+        ]
+        if not tied:
+            groups.append({"params": [self.head.weight], "weight_decay": weight_decay, "lr_scale": lr_head})
+        for group in groups:
+            group["lr"] = lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)

@@ -80,8 +80,8 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generato
         else:  # the cache holds tokens[start:-1]; feed only the last one
             new = tokens[-1:]
         idx = torch.tensor([new], dtype=torch.long, device=device)
-        logits, _ = model(idx, cache=cache if use_cache else None)
-        next_id = sample_next(logits[0, -1], temperature, top_k, top_p, generator, n_valid)
+        logits = model(idx, cache=cache if use_cache else None)[0, -1]
+        next_id = sample_next(logits, temperature, top_k, top_p, generator, n_valid)
         if next_id == stop_id:
             return
         tokens.append(next_id)

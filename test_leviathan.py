@@ -20,8 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import zstandard
 
+import leviathan
 import prepare_data as prep
 import sample
 import train
@@ -175,7 +177,7 @@ def test_gradients_reach_every_lev_parameter():
     model = micro_model("lev")
     torch.nn.init.normal_(model.head.weight, std=0.02)  # the zero-init head would block them
     idx = torch.randint(0, MICRO.vocab_size, (2, 16))
-    model(idx, idx)[1].backward()
+    model(idx, idx).backward()
     for name, p in model.lev.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
@@ -217,8 +219,7 @@ def test_causality(embedding):
     t = 9
     changed = idx.clone()
     changed[0, t + 1:] = (changed[0, t + 1:] + 1) % MICRO.vocab_size
-    logits, _ = model(idx, idx)
-    logits_changed, _ = model(changed, changed)
+    logits, logits_changed = model(idx), model(changed)
     assert torch.allclose(logits[0, :t + 1], logits_changed[0, :t + 1], atol=1e-6)
     assert not torch.allclose(logits[0, t + 1], logits_changed[0, t + 1])
 
@@ -228,11 +229,11 @@ def test_kv_cache_gives_the_same_logits(embedding):
     model = micro_model(embedding)
     torch.nn.init.normal_(model.head.weight, std=0.02)
     idx = torch.randint(0, MICRO.vocab_size, (2, 12))
-    full, _ = model(idx, idx)
+    full = model(idx)
     cache = model.new_cache(batch=2)
-    stepwise = [model(idx[:, :5], cache=cache)[0]]  # prefill 5 tokens, then one at a time
-    stepwise += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 12)]
-    assert torch.allclose(torch.cat(stepwise, 1), full[:, 4:], atol=1e-5)
+    stepwise = [model(idx[:, :5], cache=cache)]  # prefill 5 tokens, then one at a time
+    stepwise += [model(idx[:, t:t + 1], cache=cache) for t in range(5, 12)]
+    assert torch.allclose(torch.cat(stepwise, 1), full, atol=1e-5)
 
 
 @pytest.mark.parametrize("embedding", EMBEDDINGS)
@@ -244,25 +245,54 @@ def test_micro_model_overfits_a_fixed_batch(embedding):
     torch.manual_seed(1)
     batch = torch.randint(0, MICRO.vocab_size, (4, MICRO.seq_len + 1))
     for step in range(120):
-        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss = model(batch[:, :-1], batch[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     assert loss.item() < 1.0, f"{embedding}: loss {loss.item():.3f} after {step + 1} steps"
 
 
-def test_weight_decay_spares_lev_and_tables():
+def test_optimizer_groups_scale_lr_and_spare_the_input_side_from_decay():
     for embedding in EMBEDDINGS:
         model = micro_model(embedding)
-        decay, no_decay = model.configure_optimizers(lr=1e-3, weight_decay=0.1).param_groups
-        decayed = {id(p) for p in decay["params"]}
-        assert id(model.head.weight) in decayed
-        assert id(model.blocks[0].mlp.down.weight) in decayed
-        assert id(model.norm.weight) not in decayed
-        if embedding == "lev":
-            assert not decayed & {id(p) for p in model.lev.parameters()}
-        if embedding == "untied":
-            assert id(model.embed.weight) not in decayed
+        groups = model.configure_optimizers(lr=1e-3, weight_decay=0.1, lr_input=0.25, lr_head=8.0).param_groups
+        group_of = {id(p): g for g in groups for p in g["params"]}
+        assert len(group_of) == sum(1 for _ in model.parameters())  # every parameter exactly once
+        for g in groups:
+            assert g["lr"] == pytest.approx(1e-3 * g["lr_scale"])
+        backbone = group_of[id(model.blocks[0].mlp.down.weight)]
+        assert backbone["lr_scale"] == 1.0 and backbone["weight_decay"] == 0.1
+        assert group_of[id(model.norm.weight)]["weight_decay"] == 0.0
+        head = group_of[id(model.head.weight)]
+        inputs = list(model.lev.parameters()) if embedding == "lev" else [model.embed.weight]
+        for p in inputs:
+            assert group_of[id(p)]["lr_scale"] == 0.25
+            # decay would shrink LEV's product of 128 factors; the tied table is the head too
+            assert group_of[id(p)]["weight_decay"] == (0.1 if embedding == "tied" else 0.0)
+        assert head["weight_decay"] == 0.1 and head["lr_scale"] == (0.25 if embedding == "tied" else 8.0)
+
+
+@pytest.mark.parametrize("embedding", ["tied", "lev"])
+def test_chunked_loss_equals_full_cross_entropy(embedding, monkeypatch):
+    """The loss never builds the [tokens, V] logits, yet gives what F.cross_entropy on them
+    gives: value, gradients of every parameter (the tied table gets both of its gradients),
+    and per-token losses. 7 positions per chunk: chunks that do not divide the batch."""
+    monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", 7 * MICRO.vocab_size)
+    model = micro_model(embedding)
+    torch.nn.init.normal_(model.head.weight, std=0.1)
+    idx, targets = torch.randint(0, MICRO.vocab_size, (2, 2, 25))
+    loss = model(idx, targets)
+    grads = torch.autograd.grad(3 * loss, list(model.parameters()))
+    reference = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    reference_grads = torch.autograd.grad(3 * reference, list(model.parameters()))
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    for g, ref in zip(grads, reference_grads):  # to float32 rounding, relative to each tensor's scale
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    per_token = F.cross_entropy(model(idx).transpose(1, 2), targets, reduction="none")
+    torch.testing.assert_close(model(idx, targets, reduction="none"), per_token, rtol=1e-6, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the CUDA path's dtype, run on the CPU
+        bf16_loss = model(idx, targets)
+    assert bf16_loss.dtype == torch.float32 and abs(bf16_loss.item() - reference.item()) < 0.02
 
 
 def test_compiled_model_does_not_recompile_when_distinct_ids_change():
@@ -281,7 +311,7 @@ def test_compiled_model_does_not_recompile_when_distinct_ids_change():
     counts = []
     for n_distinct in (5, 17, 40, 64):
         idx = torch.arange(2 * MICRO.seq_len).view(2, -1) % n_distinct  # n_distinct ids
-        _, loss = compiled(idx, idx)
+        loss = compiled(idx, idx)
         loss.backward()
         counts.append(len(graphs))
     assert counts[0] > 0
@@ -985,18 +1015,41 @@ def test_loss_decreases_and_eval_is_written(train_data, tmp_path):
     assert config["train"]["d_model"] == config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 512
 
 
-def test_two_process_ddp_matches_one_process_with_accumulation(train_data, tmp_path):
-    # 1 process: 2 micro-steps of 8 sequences; 2 processes: 1 micro-step each. Same global batch.
-    train_cli(train_data, tmp_path / "one", "--total_tokens=4096")
-    r = train_cli(train_data, tmp_path / "two", "--total_tokens=4096", nproc=2)
-    assert "2 x cpu, 1 micro-steps" in r.stdout
+@pytest.mark.parametrize("bf16_allreduce", [False, True])
+def test_two_process_ddp_matches_one_process_with_accumulation(train_data, tmp_path, bf16_allreduce):
+    # 1 process: 4 micro-steps of 8 sequences; 2 processes: 2 micro-steps each (DDP's no_sync
+    # path), gradients in DDP's buckets (gradient_as_bucket_view). Same global batch.
+    batch = ["--total_tokens=8192", "--batch_tokens=1024"]
+    flags = ["--bf16_allreduce"] if bf16_allreduce else []
+    train_cli(train_data, tmp_path / "one", *batch)
+    r = train_cli(train_data, tmp_path / "two", *batch, *flags, nproc=2)
+    assert "2 x cpu, 2 micro-steps" in r.stdout
     one, two = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
     assert len(one) == len(two) == 8
+    # bf16 gradients: 8 bits of mantissa in the all-reduce move the later losses a little
+    tolerance = 2e-2 if bf16_allreduce else 1e-5
     for step in one:
-        assert two[step][0] == pytest.approx(one[step][0], abs=1e-5), step
+        assert two[step][0] == pytest.approx(one[step][0], abs=tolerance), step
+    largest_difference = max(abs(two[step][0] - one[step][0]) for step in one)
+    assert (largest_difference > 1e-5) == bf16_allreduce  # the bf16 hook really is in use
     ev1 = json.load(open(tmp_path / "one" / "eval_step8.json"))
     ev2 = json.load(open(tmp_path / "two" / "eval_step8.json"))  # eval split over 2 ranks, reduced
-    assert ev2["eval_tokens"] == ev1["eval_tokens"] and ev2["val_loss"] == pytest.approx(ev1["val_loss"], abs=1e-5)
+    assert ev2["eval_tokens"] == ev1["eval_tokens"]
+    assert ev2["val_loss"] == pytest.approx(ev1["val_loss"], abs=tolerance)
+
+
+def test_compiled_bf16_training_on_cpu_and_eager_resume(train_data, tmp_path, reference_run):
+    """The CUDA code path (inductor-compiled model and LEV generator, bf16 autocast, the chunked
+    loss under autocast) run on the CPU; its checkpoint then resumes in eager float32."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, *RUN, "--compile", "--bf16", "--stop_step=3")
+    compiled = logged_losses(out)
+    assert compiled[1][0] == pytest.approx(math.log(512), abs=0.05)  # zero-initialised head
+    for step in (1, 2, 3):  # bf16 rounding only: the same training as the float32 run
+        assert compiled[step][0] == pytest.approx(reference_run[step][0], abs=0.03), step
+    train_cli(train_data, out, *RUN, "--resume")
+    resumed = logged_losses(out)
+    assert len(resumed) == STEPS and resumed[STEPS][0] == pytest.approx(reference_run[STEPS][0], abs=0.05)
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(train_data, tmp_path, reference_run):
@@ -1005,6 +1058,57 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(train_data, tmp_path, r
     assert "stopped at step 10" in r.stdout and max(logged_losses(out)) == 10
     train_cli(train_data, out, *RUN, "--resume")
     assert logged_losses(out) == reference_run  # every step's loss and lr, bit for bit
+
+
+# A storage location this machine does not have, as a GPU's checkpoint is on a CPU-only machine
+# (or cuda:0's on the rank that owns cuda:1). Tagged only while SAVED_ELSEWHERE is set.
+SAVED_ELSEWHERE = {"on": False}
+
+
+def _no_such_device(storage, location):
+    if location == "elsewhere":
+        raise RuntimeError("this checkpoint was saved on a device this machine does not have")
+
+
+torch.serialization.register_package(0, lambda storage: "elsewhere" if SAVED_ELSEWHERE["on"] else None, _no_such_device)
+
+
+def test_checkpoint_saved_on_another_device_resumes_exactly(train_data, tmp_path, reference_run):
+    out = tmp_path / "run"
+    train_cli(train_data, out, *RUN, "--stop_step=10")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    SAVED_ELSEWHERE["on"] = True
+    try:
+        torch.save(ckpt, out / "ckpt.pt")
+    finally:
+        SAVED_ELSEWHERE["on"] = False
+    with pytest.raises(RuntimeError, match="does not have"):  # what loading it where it was saved does
+        torch.load(out / "ckpt.pt", weights_only=True)
+    loaded = train.load_checkpoint(str(out / "ckpt.pt"))
+    assert loaded["rng_cpu"].device.type == "cpu" and loaded["rng_cpu"].dtype == torch.uint8
+    assert all(t.device.type == "cpu" for t in loaded["model"].values())
+    train_cli(train_data, out, *RUN, "--resume")
+    assert logged_losses(out) == reference_run
+
+
+def test_a_set_up_error_on_one_rank_stops_every_rank(train_data, tmp_path):
+    """Rank 1 cannot find its data after the process group is up; without agreeing on set-up,
+    rank 0 would wait for it inside DDP's first broadcast until the process-group timeout."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, data in enumerate([train_data, tmp_path / "missing"]):
+        env = {**TRAIN_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS]
+        procs.append(subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    assert results[0][1] == ""  # one error line for the job, from the rank that failed
+    assert results[1][1].startswith("error: no prepared data") and len(results[1][1].splitlines()) == 1
+    assert not (tmp_path / "o").exists()
 
 
 def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
@@ -1020,7 +1124,8 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     assert not os.path.exists(out / "ckpt.pt.tmp")
 
 
-def test_sigterm_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: SLURM's --signal
+def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run, signum):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *RUN]
     proc = subprocess.Popen(cmd, cwd=HERE, env=TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -1028,10 +1133,10 @@ def test_sigterm_saves_a_resumable_checkpoint(train_data, tmp_path, reference_ru
     deadline = time.time() + 120
     while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
-    assert "SIGTERM" in stdout and "Traceback" not in stderr
+    assert proc.returncode == 128 + signum, stdout + stderr
+    assert signal.Signals(signum).name in stdout and "Traceback" not in stderr
     step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
     assert 1 <= step < STEPS and max(logged_losses(out)) == step
     train_cli(train_data, out, *RUN, "--resume")
@@ -1107,6 +1212,11 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path):
     check_train_error(train_cli(train_data, out, "--lr=fast", check=False), "--lr=fast: expected float")
     check_train_error(train_cli(train_data, out, "--embedding=sparse", check=False), "lev, tied, untied")
     check_train_error(train_cli(train_data, out, "--batch_tokens=500", check=False), "batch_tokens=500 does not divide")
+    check_train_error(train_cli(train_data, out, "--embedding=tied", "--lr_head=10", check=False), "--lr_head", "--lr_input")
+    check_train_error(train_cli(train_data, out, "--lr_input=0", check=False), "--lr_input", "positive")
+    slurm = subprocess.run([sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS],
+                           cwd=HERE, env={**TRAIN_ENV, "SLURM_NTASKS": "4"}, capture_output=True, text=True)
+    check_train_error(slurm, "without torchrun", "srun torchrun")
     assert not out.exists()
 
 

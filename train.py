@@ -10,7 +10,7 @@ Every field of TrainConfig below is an option: --key=value (a bare --flag means 
 Fields left at None take the value of the chosen --size (SIZE_DEFAULTS, and the model presets
 in leviathan.SIZES). `python train.py --help` lists them all with their defaults.
 """
-import dataclasses, inspect, json, math, os, signal, sys, time, types
+import dataclasses, datetime, inspect, json, math, os, signal, sys, time, types
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -47,7 +47,9 @@ class TrainConfig:
     total_tokens: int | None = None  # training tokens; steps = total_tokens // batch_tokens
     batch_tokens: int | None = None  # tokens per optimizer step, over all GPUs (fixed whatever the world size)
     micro_batch: int | None = None  # sequences per GPU per forward pass; accumulation fills the rest
-    lr: float | None = None  # peak learning rate
+    lr: float | None = None  # peak learning rate of the backbone
+    lr_input: float | None = None  # x lr for the input side (LEV, or the table); None: the arm's LR_SCALES
+    lr_head: float | None = None  # x lr for the untied head (lev, untied); None: the arm's LR_SCALES
     warmup_steps: int | None = None
     min_lr_frac: float = 0.1  # cosine decay ends at min_lr_frac * lr
     weight_decay: float = 0.1  # backbone and head matrices only (see make_optimizer)
@@ -66,6 +68,8 @@ class TrainConfig:
     # hardware
     device: str = "auto"  # auto | cpu | cuda
     compile: bool | None = None  # torch.compile; None: on for CUDA, off for CPU
+    bf16: bool | None = None  # bf16 autocast (LEV and the loss stay float32); None: on for CUDA, off for CPU
+    bf16_allreduce: bool = False  # DDP: all-reduce gradients in bf16, half the traffic (for several nodes)
     wandb_project: str = ""  # log to Weights & Biases (needs `pip install wandb`)
     wandb_run_name: str = ""
 
@@ -92,11 +96,17 @@ SIZE_DEFAULTS = {
 MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
-               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile",
+               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce",
                "wandb_project", "wandb_run_name"}
-# Peak dense bf16 FLOP/s per GPU, for MFU; matched in order on torch.cuda.get_device_name().
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("B200", 2250e12),
-              ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)]
+# Learning-rate multipliers per arm (lr_input, lr_head), from the CPU-scale study in the README:
+# the zero-initialised untied head wants ~10x the backbone's rate, LEV ~1/10 of it.
+LR_SCALES = {"lev": dict(lr_input=0.1, lr_head=10.0), "tied": dict(lr_input=1.0, lr_head=1.0),
+             "untied": dict(lr_input=1.0, lr_head=10.0)}
+# Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
+# order on torch.cuda.get_device_name(), so a variant comes before the plain name it contains.
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
+              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
+              ("A10", 125e12)]
 
 
 class TrainError(Exception):
@@ -163,8 +173,13 @@ def resolve(given, saved=None):
     for key in MODEL_FIELDS:
         if getattr(tc, key) is None:
             setattr(tc, key, getattr(SIZES[tc.size], key))
+    if tc.embedding == "tied" and tc.lr_head not in (None, 1.0):
+        raise TrainError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
+    for key, value in LR_SCALES[tc.embedding].items():
+        if getattr(tc, key) is None:
+            setattr(tc, key, value)
     tc.out_dir = tc.out_dir or os.path.join("out", f"{tc.size}-{tc.embedding}")
-    positive = ["total_tokens", "batch_tokens", "micro_batch", "lr", "eval_interval", "eval_tokens",
+    positive = ["total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "eval_interval", "eval_tokens",
                 "log_interval", "ckpt_interval", "grad_clip"]
     bad = [k for k in positive if getattr(tc, k) <= 0] + (["warmup_steps"] if tc.warmup_steps < 0 else [])
     if bad:
@@ -291,10 +306,9 @@ def evaluate(model, windows, run):
     for i in range(0, len(mine), run.tc.micro_batch):
         x, y = to_batch(mine[i:i + run.tc.micro_batch], run.device)
         with run.autocast:
-            logits, _ = model(x, y)
-        losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            losses = model(x, y, reduction="none")
         targets = y.flatten().cpu().numpy()
-        n, t = bucket_sums(losses.double().cpu().numpy(), run.counts[targets], n_buckets)
+        n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
         nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
     sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
     if run.world > 1:
@@ -327,23 +341,43 @@ def log_record(run, record):
 
 
 def save_checkpoint(run, step):
-    """Atomic: a crash while writing leaves the previous checkpoint intact."""
+    """Atomic and durable: write a temporary file, fsync it, rename it over ckpt.pt, fsync the folder.
+    A kill or a full disk at any moment leaves the previous checkpoint or the new one, never half of
+    one. Only rank 0 writes; the others wait at a barrier (see train)."""
     ckpt = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                 model_config=asdict(run.cfg), train_config=asdict(run.tc), data_meta=run.meta,
                 step=step, tokens_seen=step * run.tc.batch_tokens, data_position=step * run.step_windows,
                 rng_cpu=torch.get_rng_state(),
                 rng_cuda=torch.cuda.get_rng_state() if run.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8))
     path = os.path.join(run.tc.out_dir, "ckpt.pt")
-    torch.save(ckpt, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    start = time.time()
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # e.g. no space left: keep the previous checkpoint, remove the partial one
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise TrainError(f"could not write {path} ({e.strerror or e}); the previous checkpoint is kept") from None
+    folder = os.open(run.tc.out_dir, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # make the rename itself durable
+    finally:
+        os.close(folder)
+    return os.path.getsize(path), time.time() - start
 
 
 CKPT_KEYS = ("model", "optimizer", "model_config", "train_config", "data_meta", "step", "data_position", "rng_cpu")
 
 
-def load_checkpoint(path, device):
+def load_checkpoint(path):
+    """Always onto the CPU, whatever device saved it: the RNG states must be CPU tensors, and each
+    rank copies only the weights into its own GPU memory (load_state_dict) instead of holding a
+    second full copy there. Memory-mapped, so ranks on one node share one copy in the page cache."""
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise TrainError(f"could not read {path} ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or not set(CKPT_KEYS) <= ckpt.keys():
@@ -387,15 +421,23 @@ def setup_device(tc):
         raise TrainError(f"--device={tc.device}: use auto, cpu or cuda")
     if kind == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device=cuda but no CUDA GPU is available; use --device=cpu")
+    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in os.environ:
+        raise TrainError("started as one of several SLURM tasks without torchrun: every task would train "
+                         "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
     if kind == "cuda":
+        # float32 matmuls stay exact (no TF32): under bf16 autocast the only ones left are LEV's,
+        # whose product of 128 factors is why LEV runs in float32 at all.
         torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")  # TF32 for any float32 matmul left outside autocast
     else:
         # Denormal floats (e.g. tiny Adam moments late in training) are very slow on x86 CPUs.
         torch.set_flush_denormal(True)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo", device_id=device if kind == "cuda" else None)
+        # The timeout bounds any wait inside a collective, including the other ranks' wait while
+        # rank 0 writes a checkpoint (~15 GB at 1.2b): NCCL's default of 10 minutes is too short
+        # for a slow shared filesystem.
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60),
+                                device_id=device if kind == "cuda" else None)
     return device, rank, world
 
 
@@ -410,7 +452,7 @@ def setup(argv):
     if not loading and os.path.exists(path):
         raise TrainError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
     device, rank, world = setup_device(tc)
-    ckpt = load_checkpoint(path, device) if loading else None
+    ckpt = load_checkpoint(path) if loading else None
     if ckpt is not None:
         tc = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(tc)
@@ -445,7 +487,8 @@ def make_optimizer(model, tc, device):
     # input side (LEV, the untied table) is left alone, since decay would shrink LEV's product of 128
     # factors exponentially and erase a rare token's row between its few gradients. In the tied arm
     # the shared table is also the head, so it is decayed. (Model.configure_optimizers.)
-    return model.configure_optimizers(tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), fused=device.type == "cuda")
+    return model.configure_optimizers(tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), fused=device.type == "cuda",
+                                      lr_input=tc.lr_input, lr_head=tc.lr_head)
 
 
 def lr_at(step, tc, max_steps):
@@ -473,18 +516,23 @@ def on_signal(signum, frame):
     print(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step", flush=True)
 
 
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
+# time limit. Both are a preemption: save and exit, with no evaluation in between.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
 def train_step(run, step, position):
     """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
     (r * accum + m) of the step's windows, so the batch is the same for any world size."""
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(step, run.tc, run.max_steps)
+    for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
+        group["lr"] = lr_at(step, run.tc, run.max_steps) * group["lr_scale"]
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
         first = position + (run.rank * run.accum + micro) * run.tc.micro_batch
         x, y = to_batch([run.train[p] for p in range(first, first + run.tc.micro_batch)], run.device)
         last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
         with run.autocast, (run.ddp.no_sync() if run.ddp and not last else nullcontext()):
-            _, loss = run.step_model(x, y)
+            loss = run.step_model(x, y)
         (loss / run.accum).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.tc.grad_clip)
@@ -511,33 +559,55 @@ def log_step(run, step, loss, grad_norm, seconds, steps_done):
     if run.peak_flops:
         record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
+    if run.device.type == "cuda":
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+        line += f" | peak mem {record['peak_mem_gb']:.1f} GB"
     print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
     log_record(run, record)
 
 
+def checkpoint(run, step):
+    """Rank 0 writes; the broadcast of its outcome is also the barrier at which the other ranks
+    wait meanwhile, and it stops every rank alike if the write failed (a full disk)."""
+    error = None
+    if run.rank == 0:
+        try:
+            size, seconds = save_checkpoint(run, step)
+            print(f"checkpoint: step {step}, {size / 1e9:.2f} GB in {seconds:.1f} s", flush=True)
+        except TrainError as e:
+            error = e
+    if run.world > 1:
+        saved = torch.tensor(float(error is None), device=run.device)
+        dist.broadcast(saved, 0)
+        if not saved.item() and error is None:
+            error = TrainError("rank 0 could not write the checkpoint")
+    if error is not None:
+        raise error
+
+
 def train(run):
-    tc, step = run.tc, run.ckpt["step"] if run.ckpt else 0
+    tc, step, position = run.tc, run.start_step, run.start_position
     if step >= run.max_steps:
         print(f"the run is complete ({step} steps); nothing to do")
         return 0
-    position = run.ckpt["data_position"] if run.ckpt else 0
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
-    t0, since = time.time(), 0
+    t0, steps_timed = time.time(), 0
     while step < run.max_steps:
         loss, grad_norm, stop = train_step(run, step, position)
-        step, position, since = step + 1, position + run.step_windows, since + 1
+        step, position, steps_timed = step + 1, position + run.step_windows, steps_timed + 1
+        preempted = stop  # a signal reached some rank: save as fast as possible
         stop = stop or step == tc.stop_step
         if run.rank == 0 and (step % tc.log_interval == 0 or step == run.max_steps or stop):
-            log_step(run, step, loss, grad_norm, time.time() - t0, since)
-            t0, since = time.time(), 0
-        if step % tc.eval_interval == 0 or step == run.max_steps:
+            log_step(run, step, loss, grad_norm, time.time() - t0, steps_timed)
+            t0, steps_timed = time.time(), 0
+        if (step % tc.eval_interval == 0 or step == run.max_steps) and not preempted:
             result = evaluate(run.eval_model, run.val, run)
             if run.rank == 0:
                 report_eval(result, step, run)
-            t0, since = time.time(), 0  # tokens/s counts training only
-        if run.rank == 0 and (step % tc.ckpt_interval == 0 or step == run.max_steps or stop):
-            save_checkpoint(run, step)
+            t0, steps_timed = time.time(), 0  # tokens/s counts training only
+        if step % tc.ckpt_interval == 0 or step == run.max_steps or stop:
+            checkpoint(run, step)
         if stop:
             why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={tc.stop_step}"
             if run.rank == 0:
@@ -548,66 +618,86 @@ def train(run):
     return 0
 
 
-def main(argv):
-    try:
-        run = setup(argv)
-    except (TrainError, ShardError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print_error(e)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return 1
-    tc, cfg = run.tc, run.cfg
+def failed_rank(error):
+    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
+    missing on one node): every rank learns of it here, so all stop instead of waiting for the
+    failed one inside the next collective."""
+    if not dist.is_initialized():
+        return 0 if error is not None else None  # every rank fails alike before the process group
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
+
+
+def bf16_allreduce_hook(group, bucket):
+    """DDP communication hook: average a bucket of float32 gradients as bf16, half the bytes on the
+    wire. (torch's own bf16 hook insists on NCCL; this one also runs under gloo, so it is tested.)"""
+    group = group or dist.group.WORLD
+    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
+
+    def decompress(future):
+        return bucket.buffer().copy_(future.value()[0])
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def build(run):
+    """The model and optimizer, restored from the checkpoint when resuming, then compiled and
+    wrapped: run.model is the plain module (saved, counted), run.eval_model its compiled form, and
+    run.step_model the form that trains (DDP around the compiled model when there are several ranks)."""
+    tc, cuda = run.tc, run.device.type == "cuda"
     torch.manual_seed(tc.seed)
-    run.model = Model(cfg).to(run.device)
+    run.model = Model(run.cfg).to(run.device)
     run.optimizer = make_optimizer(run.model, tc, run.device)
-    if run.ckpt:
+    run.start_step = run.start_position = 0
+    if run.ckpt is not None:
         run.model.load_state_dict(run.ckpt["model"])
-        run.optimizer.load_state_dict(run.ckpt["optimizer"])
+        run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
         torch.set_rng_state(run.ckpt["rng_cpu"])
-        if run.device.type == "cuda" and run.ckpt["rng_cuda"].numel():
+        if cuda and run.ckpt["rng_cuda"].numel():
             torch.cuda.set_rng_state(run.ckpt["rng_cuda"])
-    cuda = run.device.type == "cuda"
-    run.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+        run.start_step, run.start_position = run.ckpt["step"], run.ckpt["data_position"]
+        run.ckpt = None  # nothing else is needed: let the full state dict go
+    bf16 = tc.bf16 if tc.bf16 is not None else cuda
+    run.autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     run.eval_model = run.model
     if tc.compile if tc.compile is not None else cuda:
-        if cfg.embedding == "lev":
+        if run.cfg.embedding == "lev":
             run.model.lev.compile_generator()  # LEV's torch.unique stays outside the graph
         run.eval_model = torch.compile(run.model)
-    run.ddp = None
-    run.step_model = run.eval_model
+    run.ddp, run.step_model = None, run.eval_model
     if run.world > 1:
-        run.ddp = torch.nn.parallel.DistributedDataParallel(run.eval_model, device_ids=[run.device] if cuda else None)
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, no second copy.
+        run.ddp = torch.nn.parallel.DistributedDataParallel(run.eval_model, device_ids=[run.device] if cuda else None,
+                                                            gradient_as_bucket_view=True)
+        if tc.bf16_allreduce:
+            run.ddp.register_comm_hook(None, bf16_allreduce_hook)
         run.step_model = run.ddp
     name = torch.cuda.get_device_name(run.device) if cuda else ""
     run.peak_flops = next((flops for key, flops in PEAK_FLOPS if key in name), None)
     run.flops_per_token = run.model.flops_per_token()
-    if run.rank == 0:
-        os.makedirs(tc.out_dir, exist_ok=True)
-        counts = run.model.param_counts()
-        print(f"config: {json.dumps(asdict(tc))}\nmodel: {json.dumps(asdict(cfg))}")
-        print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; "
-              f"{run.world} x {run.device.type}, {run.accum} micro-steps of {tc.micro_batch} x {tc.seq_len} per step")
-        if not tc.eval_only:
-            write_json(os.path.join(tc.out_dir, "config.json"), dict(train=asdict(tc), model=asdict(cfg)))
-            # a resumed run keeps its log up to the checkpoint; a new run starts a new log
-            keep_log_until(os.path.join(tc.out_dir, "log.jsonl"), run.ckpt["step"] if run.ckpt else 0)
-        if tc.wandb_project:
-            import wandb
-            run.wandb = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or None, resume="allow",
-                                   config=dict(train=asdict(tc), model=asdict(cfg), params=counts))
-    try:
-        if tc.eval_only:
-            result = evaluate(run.eval_model, run.val, run)
-            if run.rank == 0:
-                report_eval(result, run.ckpt["step"], run)
-            code = 0
-        else:
-            code = train(run)
-    except TrainError as e:  # raised on every rank alike (the loss is all-reduced)
-        if run.rank == 0:
-            print_error(e)
-        code = 1
+
+
+def start_outputs(run):
+    """Rank 0: print the config, write config.json, trim the log to the checkpoint, start wandb."""
+    tc, cfg = run.tc, run.cfg
+    os.makedirs(tc.out_dir, exist_ok=True)
+    counts = run.model.param_counts()
+    print(f"config: {json.dumps(asdict(tc))}\nmodel: {json.dumps(asdict(cfg))}")
+    print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; "
+          f"{run.world} x {run.device.type}, {run.accum} micro-steps of {tc.micro_batch} x {tc.seq_len} per step")
+    if not tc.eval_only:
+        write_json(os.path.join(tc.out_dir, "config.json"), dict(train=asdict(tc), model=asdict(cfg)))
+        # a resumed run keeps its log up to the checkpoint; a new run starts a new log
+        keep_log_until(os.path.join(tc.out_dir, "log.jsonl"), run.start_step)
+    if tc.wandb_project:
+        import wandb
+        run.wandb = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or None, resume="allow",
+                               config=dict(train=asdict(tc), model=asdict(cfg), params=counts))
+
+
+def shutdown(code):
     if dist.is_initialized():
         dist.barrier()  # every rank has finished (and rank 0 has written its checkpoint)
         if dist.get_backend() == "gloo":
@@ -619,6 +709,36 @@ def main(argv):
             os._exit(code)
         dist.destroy_process_group()
     return code
+
+
+def main(argv):
+    rank = int(os.environ.get("RANK", 0))
+    run, error = None, None
+    try:
+        run = setup(argv)
+    except (TrainError, ShardError) as e:
+        error = e
+    lowest = failed_rank(error)
+    if lowest is not None:
+        if rank == lowest:  # one error line for the whole job
+            print_error(error)
+        return shutdown(1)
+    build(run)
+    if run.rank == 0:
+        start_outputs(run)
+    try:
+        if run.tc.eval_only:
+            result = evaluate(run.eval_model, run.val, run)
+            if run.rank == 0:
+                report_eval(result, run.start_step, run)
+            code = 0
+        else:
+            code = train(run)
+    except TrainError as e:  # raised on every rank alike (the loss and the checkpoint outcome are shared)
+        if run.rank == 0:
+            print_error(e)
+        code = 1
+    return shutdown(code)
 
 
 if __name__ == "__main__":
