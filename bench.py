@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from leviathan import EMBEDDINGS, LEV, Config, Model, padded_vocab
+import torch.nn.functional as F
+
+from leviathan import EMBEDDINGS, LEV, Config, LinearCrossEntropy, Model, padded_vocab
 import prepare_data
 from prepare_data import demo_documents, get_tokenizer
 from sample import generate
@@ -207,12 +209,110 @@ def bench_train(args, device):
         print(f"{embedding:<8}{rate:>10,.0f} tokens/s   step time / tied {base / rate:.3f}")
 
 
-SECTIONS = {"model": bench_model, "data": bench_data, "train": bench_train, "sample": bench_sample}
+def bench_loss(args, device):
+    """The loss at the o200k configuration (2,048 positions, D = 128, V = 200,064), forward and
+    backward through the head: F.cross_entropy on the full float32 logits against the chunked
+    LinearCrossEntropy that Model.forward uses, interleaved."""
+    torch.manual_seed(0)
+    n, d_model, vocab = 2048, 128, padded_vocab(get_tokenizer("o200k_base").n_vocab)
+    x = torch.randn(n, d_model, device=device, requires_grad=True)
+    weight = (0.02 * torch.randn(vocab, d_model, device=device)).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), device=device)
+    ways = {"full logits": lambda: F.cross_entropy(F.linear(x, weight).float(), targets),
+            "chunked": lambda: LinearCrossEntropy.apply(x, weight, targets)}
+    times, peaks = {way: [] for way in ways}, {way: 0 for way in ways}
+    for _, way in itertools.product(range(args.repeats + 1), ways):
+        x.grad = weight.grad = None
+        with PeakMemory(device) as memory:
+            start = time.perf_counter()
+            ways[way]().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[way].append(time.perf_counter() - start)
+        peaks[way] = max(peaks[way], memory.peak)
+    print(f"\nloss through the head, {n:,} positions x V={vocab:,}, D={d_model}, {device.type}, "
+          f"median of {args.repeats} (after one warm-up)")
+    for way in ways:
+        print(f"{way:<12} {statistics.median(times[way][1:]) * 1e3:>8.1f} ms {peaks[way] / 2**20:>8,.0f} MB peak")
+    print(f"chunked / full: time {statistics.median(times['chunked'][1:]) / statistics.median(times['full logits'][1:]):.3f}, "
+          f"peak memory {peaks['chunked'] / max(peaks['full logits'], 1):.3f}")
+
+
+def train_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["type"] == "train"]
+
+
+def run_train(args, nproc=1):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    result = subprocess.run(launcher + ["train.py", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"error: train.py {' '.join(args)} failed:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
+
+
+def lev_seconds_per_micro_step(size, device):
+    """LEV's forward and backward for the distinct ids of one micro-batch of real text (16 x 512)."""
+    cfg = Config.from_size(size)
+    lev = LEV(cfg.vocab_size, cfg.d_model).to(device)
+    lev.compile_generator()
+    ids = real_token_batch(get_tokenizer("o200k_base"), 16, cfg.seq_len).to(device)
+    for _ in range(3):  # compile, warm up
+        lev(ids).sum().backward()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        lev(ids).sum().backward()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 10
+
+
+def bench_gpu(args, device):
+    """GPU acceptance: train.py as a user runs it (torch.compile, bf16 autocast, fused AdamW, the
+    size's defaults) for 20 steps at 200m and 1.2b on the demo corpus with the full o200k vocabulary,
+    stopped at step 10 and resumed; with 2+ GPUs, DDP against one GPU's accumulation."""
+    if device.type != "cuda":
+        sys.exit("error: `python bench.py gpu` needs a CUDA GPU (this machine has none); the other sections run on CPU")
+    data = os.path.join("data", "demo-o200k")
+    if not os.path.exists(os.path.join(data, "meta.json")):
+        subprocess.run([sys.executable, "prepare_data.py", "--dataset=demo", "--vocab_size=0", f"--out_dir={data}"],
+                       check=True, capture_output=True)
+    steps, batch_tokens = 20, 512 * 512
+    print(f"\nGPU acceptance: {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {steps} steps of "
+          f"{batch_tokens:,} tokens per size (stopped at {steps // 2}, resumed), medians after 3 warm-up steps")
+    print(f"{'size':<6}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'LEV share':>11}{'final loss':>12}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in ("200m", "1.2b"):
+            out = os.path.join(tmp, size)
+            common = [f"--size={size}", f"--data_dir={data}", f"--out_dir={out}", f"--total_tokens={steps * batch_tokens}",
+                      "--warmup_steps=5", "--eval_interval=1000000", "--eval_tokens=65536", "--log_interval=1"]
+            run_train(common + [f"--stop_step={steps // 2}"])
+            run_train(common + ["--resume"])
+            records = train_log(out)
+            steady = [r for r in records if r["step"] > 3 and r["step"] != steps // 2 + 1]  # not the compile steps
+            step_seconds = batch_tokens / statistics.median(r["tokens_per_s"] for r in steady)
+            micro_steps = batch_tokens // (16 * 512)  # the presets' micro_batch of 16 sequences of 512
+            lev_share = lev_seconds_per_micro_step(size, device) * micro_steps / step_seconds
+            print(f"{size:<6}{statistics.median(r['tokens_per_s'] for r in steady):>12,.0f}"
+                  f"{100 * statistics.median(r.get('mfu', float('nan')) for r in steady):>7.1f}%"
+                  f"{max(r['peak_mem_gb'] for r in records):>9.1f}{100 * lev_share:>10.1f}%{records[-1]['loss']:>12.4f}")
+        if torch.cuda.device_count() >= 2:  # one GPU with 2x accumulation against 2 GPUs with DDP
+            short = ["--size=200m", f"--data_dir={data}", f"--total_tokens={5 * batch_tokens}", "--warmup_steps=2",
+                     "--eval_interval=1000000", "--eval_tokens=16384", "--log_interval=1"]
+            run_train(short + [f"--out_dir={tmp}/one"])
+            run_train(short + [f"--out_dir={tmp}/ddp"], nproc=2)
+            gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(train_log(f"{tmp}/one"), train_log(f"{tmp}/ddp")))
+            print(f"DDP on 2 GPUs vs 1 GPU with accumulation, 5 steps at 200m: largest loss difference {gap:.2e} "
+                  f"({'within' if gap <= 1e-3 else 'OVER'} the 1e-3 target)")
+
+
+SECTIONS = {"model": bench_model, "loss": bench_loss, "data": bench_data, "train": bench_train, "sample": bench_sample,
+            "gpu": bench_gpu}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all but gpu)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -221,7 +321,7 @@ def main():
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     device = torch.device(args.device)
-    for section in args.sections or SECTIONS:
+    for section in args.sections or [name for name in SECTIONS if name != "gpu"]:
         SECTIONS[section](args, device)
 
 

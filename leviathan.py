@@ -323,9 +323,10 @@ SIZES = {
 # -----------------------------------------------------------------------------
 # The loss: cross-entropy through the head without the [tokens, V] logits
 
-# Positions per chunk of the loss: chunk * V float32 logits (128 MB) at a time, e.g. 167
-# positions at V = 200k, and the whole 4,096-token micro-batch at the tiny preset's V = 8,192.
-LOSS_CHUNK_LOGITS = 1 << 25
+# Positions per chunk of the loss: chunk * V float32 logits (1 GiB) at a time, e.g. 1,341
+# positions at V = 200k (7 chunks for a 16 x 512 micro-batch) and any micro-batch at the tiny
+# preset's V = 8,192. Fewer, larger chunks: each one adds a pass over the [V, D] gradient of W.
+LOSS_CHUNK_LOGITS = 1 << 28
 
 
 def loss_chunks(n, vocab_size):
@@ -376,8 +377,12 @@ class LinearCrossEntropy(torch.autograd.Function):
             g = g.div_(n).to(w.dtype)
             if grad_x is not None:
                 grad_x[c] = g @ w
-            if grad_w is not None:
-                grad_w += (g.t() @ x_c).float()
+            if grad_w is None:
+                continue
+            if g.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
+            else:
+                grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
         return total / n

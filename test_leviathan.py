@@ -1026,8 +1026,8 @@ def test_two_process_ddp_matches_one_process_with_accumulation(train_data, tmp_p
     assert "2 x cpu, 2 micro-steps" in r.stdout
     one, two = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
     assert len(one) == len(two) == 8
-    # bf16 gradients: 8 bits of mantissa in the all-reduce move the later losses a little
-    tolerance = 2e-2 if bf16_allreduce else 1e-5
+    # bf16 gradients: 8 bits of mantissa in the all-reduce move the later losses a little (8e-5 seen)
+    tolerance = 1e-3 if bf16_allreduce else 1e-5
     for step in one:
         assert two[step][0] == pytest.approx(one[step][0], abs=tolerance), step
     largest_difference = max(abs(two[step][0] - one[step][0]) for step in one)

@@ -78,8 +78,8 @@ class TrainConfig:
 # parameter (the v2 budgets). The paper publishes no learning rate, warmup or weight decay; ours are
 # the conservative GPT-3/Pythia values for these sizes (LEV's output is a product of 128 factors and
 # spikes at too high a learning rate) with ~262M tokens of warmup (GPT-3 used 375M).
-# micro_batch 16 is our estimate for an 80 GB GPU: the float32 [16, 512, 200k] logits and their
-# gradient (~20 GB) dominate; gradient accumulation fills the rest of the batch.
+# micro_batch 16 fits an 80 GB GPU with room to spare (an estimate: ~33 GB at 1.2b, see the README);
+# gradient accumulation fills the rest of the batch.
 # tiny departs from 20 tokens/param (that would be ~45M tokens): 2.7M tokens (660 steps, ~3/4 of a
 # pass over the demo corpus) take ~6.5 minutes at the ~7k tokens/s of a 2-core CPU. Its lr 3e-3 was
 # checked smooth for all three arms; 1e-2 made LEV spike.
