@@ -1,0 +1,268 @@
+"""Downstream evaluation of a trained run through EleutherAI's lm-evaluation-harness.
+
+    python evaluate.py --out_dir=out/1.2b-lev                         # the six default benchmarks
+    python evaluate.py --out_dir=out/1.2b-lev --tasks=lambada_openai,piqa --limit=100
+    python evaluate.py --out_dir=out/tiny-lev --tasks=my_task --include_path=my_tasks/
+    python evaluate.py --compare out/1.2b-lev out/1.2b-tied           # arms side by side
+
+lm-eval is optional (pip install "lm-eval>=0.4.10,<0.5"): it downloads each benchmark
+from the Hugging Face Hub the first time. The default six are our choice, since the paper
+does not name its six: LAMBADA (OpenAI version, perplexity and accuracy), HellaSwag, PIQA,
+ARC-Easy, ARC-Challenge and WinoGrande, the zero-shot suite reported for Pile-trained
+models of this size (e.g. by the Mamba paper). It includes LAMBADA, whose perplexity the
+paper quotes, and every one is scored by log-likelihood, so no text is generated.
+
+How our model answers lm-eval (the LeviathanLM adapter below):
+- Text is encoded with the run's own tokenizer and conditioned on end-of-text: in the
+  training stream every document follows one, so that is where a new text starts.
+- At most seq_len tokens of context: longer contexts lose their oldest tokens, and long
+  texts are scored in windows, each token once, each window with as much context as fits.
+- Requests are batched longest first, so rows of a batch have similar lengths; the
+  padding that evens them out comes after the real tokens, where causal attention keeps
+  it out of their view, and it is never scored.
+- Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
+  softmax: the tokenizer cannot produce them, so they must not take probability mass.
+"""
+import argparse, json, os, sys
+
+import torch
+
+from prepare_data import print_error, write_json
+from sample import SampleError, load_checkpoint, ready
+
+try:
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+except ImportError:  # main() says how to install it; the adapter's arithmetic needs only torch
+    lm_eval, LM, TaskManager = None, object, None
+
+INSTALL = 'pip install "lm-eval>=0.4.10,<0.5"'  # 0.4.10 and 0.4.13 tested; 0.4.10 dropped transformers
+DEFAULT_TASKS = ["lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande"]
+RESULTS_FILE = "downstream.json"
+
+
+class EvaluateError(ValueError):
+    """Bad input or settings; the command line reports it as one `error:` line."""
+
+
+# ---------------------------------------------------------------------------- the adapter
+
+
+def scoring_windows(prefix, scored, seq_len):
+    """Windows [(tokens, n)] that together score every id of `scored` once, given `prefix`:
+    tokens[:-1] is the model's input, and the last n of tokens[1:] are scored. Each window
+    scores up to seq_len ids and is filled on the left with as much context as fits."""
+    tokens = prefix + scored
+    windows = []
+    for first in range(len(prefix), len(tokens), seq_len):
+        end = min(first + seq_len, len(tokens))
+        windows.append((tokens[max(0, end - seq_len - 1):end], end - first))
+    return windows
+
+
+class LeviathanLM(LM):
+    """Our Model behind lm-eval's model interface: log-likelihoods of text, no generation."""
+
+    def __init__(self, model, tokenizer, batch_size=16):
+        super().__init__()
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.seq_len = model.cfg.seq_len
+        self._device = model.head.weight.device
+
+    def loglikelihood(self, requests):
+        """(context, continuation) -> (log p(continuation | context), is it the greedy choice)."""
+        windows_per_request = []
+        for request in requests:
+            context, continuation = request.args
+            # BPE attaches a space to the word after it, so a context's trailing spaces
+            # belong to the continuation: a lone final space is a token training rarely saw.
+            stripped = context.rstrip(" ")
+            windows_per_request.append(self._windows(stripped, context[len(stripped):] + continuation))
+        return self._score(windows_per_request)
+
+    def loglikelihood_rolling(self, requests):
+        """(text,) -> log p(text) from a document start, for perplexities of whole texts."""
+        scores = self._score([self._windows("", request.args[0]) for request in requests])
+        return [logprob for logprob, _ in scores]
+
+    def _windows(self, context, text):
+        """The windows that score `text` after end-of-text and `context`."""
+        prefix = [self.tokenizer.eot] + self.tokenizer.encode(context)
+        return scoring_windows(prefix, self.tokenizer.encode(text), self.seq_len)
+
+    def generate_until(self, requests):
+        tasks = sorted({str(request.task_name) for request in requests})
+        raise EvaluateError(f"{', '.join(tasks)} needs generated text, which this adapter does not "
+                            "produce; choose tasks scored by log-likelihood (multiple choice, perplexity)")
+
+    def _score(self, windows_per_request):
+        """Sum the log-probs of every request's windows; greedy if every scored id was the argmax."""
+        windows = [(i, window) for i, ws in enumerate(windows_per_request) for window in ws]
+        totals = [[0.0, True] for _ in windows_per_request]
+        windows.sort(key=lambda item: -len(item[1][0]))  # longest first: an out-of-memory shows at once
+        for start in range(0, len(windows), self.batch_size):
+            batch = windows[start:start + self.batch_size]
+            for (i, _), (logprob, greedy) in zip(batch, self._score_batch([window for _, window in batch])):
+                totals[i][0] += logprob
+                totals[i][1] &= greedy
+        return [(logprob, greedy) for logprob, greedy in totals]
+
+    @torch.no_grad()
+    def _score_batch(self, windows):
+        width = max(len(tokens) for tokens, _ in windows) - 1
+        inputs = torch.full((len(windows), width), self.tokenizer.eot, dtype=torch.long)
+        for row, (tokens, _) in enumerate(windows):
+            inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+        logits = self.model(inputs.to(self._device))  # [B, T, V], float32
+        scores = []
+        for row, (tokens, n) in enumerate(windows):
+            # logits at input position p predict tokens[p + 1]; keep the last n real positions,
+            # and only the columns of ids the tokenizer has (the rest are padding).
+            end = len(tokens) - 1
+            logprobs = logits[row, end - n:end, :self.tokenizer.n_vocab].log_softmax(-1)
+            targets = torch.tensor(tokens[-n:], device=logprobs.device)
+            logprob = logprobs.gather(1, targets[:, None]).sum().item()
+            scores.append((logprob, bool((logprobs.argmax(-1) == targets).all())))
+        return scores
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def result_rows(results):
+    """lm-eval's {task: {"acc,none": v, "acc_stderr,none": s, ...}} -> [(task, metric, value, stderr)]."""
+    rows = []
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            metric, _, filter_name = key.partition(",")
+            if filter_name and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+                stderr = metrics.get(f"{metric}_stderr,{filter_name}")
+                rows.append((task, metric, value, stderr if isinstance(stderr, (int, float)) else None))
+    return rows
+
+
+def number(value):
+    return "-" if value is None else f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4f}"
+
+
+def print_table(header, rows):
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+def read_results(out_dir):
+    path = os.path.join(out_dir, RESULTS_FILE)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise EvaluateError(f"no {path}; run python evaluate.py --out_dir={out_dir} first")
+    except (OSError, ValueError) as e:
+        raise EvaluateError(f"cannot read {path}: {e}")
+
+
+def compare(out_dirs):
+    """One row per (task, metric) present in every run; the first run relative to each other one."""
+    runs = [read_results(d) for d in out_dirs]
+    header = ["task", "metric", *out_dirs, *[f"{out_dirs[0]} vs {d}" for d in out_dirs[1:]]]
+    rows = []
+    for task, entry in runs[0].items():
+        for metric, (value, stderr) in entry["metrics"].items():
+            others = [run.get(task, {}).get("metrics", {}).get(metric) for run in runs[1:]]
+            if None in others:
+                continue
+            values = [f"{number(v)} ± {number(s)}" for v, s in [(value, stderr), *others]]
+            relative = [f"{(value - v) / v:+.1%}" if v else "-" for v, _ in others]
+            rows.append([task, metric, *values, *relative])
+    if not rows:
+        raise EvaluateError(f"{', '.join(out_dirs)} have no task and metric in common")
+    print_table(header, rows)
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def parse_args(argv):
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one `error:` line instead of usage text
+            raise EvaluateError(f"{message} (see python evaluate.py --help)")
+    p = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
+    p.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
+    p.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
+    p.add_argument("--batch_size", type=int, default=16,
+                   help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
+    args = p.parse_args(argv)
+    if (args.out_dir is None) == (args.compare is None):
+        raise EvaluateError("pass --out_dir=RUN to evaluate, or --compare RUN RUN... to compare")
+    if args.compare is not None and len(args.compare) < 2:
+        raise EvaluateError("--compare needs at least two run folders")
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise EvaluateError("--limit and --batch_size must be at least 1")
+    return args
+
+
+def evaluate(args):
+    if lm_eval is None:
+        raise EvaluateError(f"evaluate.py needs EleutherAI's lm-evaluation-harness: {INSTALL}")
+    try:
+        torch.empty(1, device=args.device)
+    except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
+        raise EvaluateError(f"device {args.device!r} is not usable here ({str(e).splitlines()[0]}); "
+                            "try --device=cpu")
+    if args.include_path and not os.path.isdir(args.include_path):
+        raise EvaluateError(f"--include_path {args.include_path} is not a folder")
+    model, tokenizer, step = load_checkpoint(args.out_dir, args.device)
+    task_manager = TaskManager(include_path=args.include_path)  # indexes every task: ~10 s
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in task_manager.all_tasks]
+    if unknown or not tasks:
+        raise EvaluateError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
+                            f"{len(task_manager.all_tasks)} (lm-eval ls tasks lists them); "
+                            "your own YAML tasks need --include_path")
+    adapter = LeviathanLM(ready(model), tokenizer, args.batch_size)  # ready: LEV frozen into a table
+    try:
+        output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=task_manager,
+                                         limit=args.limit, log_samples=False)
+    except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
+        raise EvaluateError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
+                            "from the Hugging Face Hub the first time, then reads its cache")
+    except torch.cuda.OutOfMemoryError:
+        raise EvaluateError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
+    rows = result_rows(output["results"])
+    print_table(["task", "metric", "value", "stderr"], [(t, m, number(v), number(s)) for t, m, v, s in rows])
+    # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs.
+    path = os.path.join(args.out_dir, RESULTS_FILE)
+    saved = read_results(args.out_dir) if os.path.exists(path) else {}
+    for task in output["results"]:
+        saved[task] = {"step": step, "limit": args.limit, "lm_eval_version": output.get("lm_eval_version"),
+                       "samples": output["n-samples"].get(task, {}).get("effective"),
+                       "metrics": {m: [v, s] for t, m, v, s in rows if t == task}}
+    write_json(path, saved)
+    print(f"# written to {path}", file=sys.stderr)
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        if args.compare:
+            compare(args.compare)
+        else:
+            evaluate(args)
+    except (EvaluateError, SampleError) as e:
+        print_error(e)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
