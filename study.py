@@ -1,0 +1,370 @@
+"""The CPU-scale study of issue 11: where does Leviathan win, lose or tie against the tied and
+untied baselines once every arm has its own learning rates?
+
+    python prepare_data.py --dataset=demo                                  # data/demo (8,192 ids)
+    python prepare_data.py --dataset=demo --vocab_size=32768 --name=demo32k
+    python study.py prepare                   # data/<name>-tune and data/<name>-final (val cut in two)
+    python study.py sweep tune final vocab32k long [--deadline=HH:MM]
+    python study.py table                     # every run, the seed summary, the frequency buckets
+    python study.py plot                      # figures/*.png (needs `pip install matplotlib`)
+
+The protocol is the PLANS below, fixed before any result was seen. Learning rates are chosen on
+the TUNING half of the validation split; the tables report the FINAL half, which no choice saw.
+Plans run in the order given; `final`, `vocab32k` and `long` use each arm's best tuning run, so
+`tune` must be finished first. `sweep` drives train.py in a subprocess, one run at a time, skips
+finished runs and resumes interrupted ones, so it can be stopped and started again at will.
+On a machine busy with other jobs, `OMP_NUM_THREADS=1 python study.py sweep ...` trains faster:
+two OpenMP threads on oversubscribed cores spend their time waiting for each other.
+"""
+import glob
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from prepare_data import load_meta, read_shard, shard_paths, write_shard
+from train import SIZE_DEFAULTS
+
+STUDY_DIR = os.path.join("out", "study")
+FIGURES_DIR = "figures"
+BATCH_TOKENS = SIZE_DEFAULTS["tiny"]["batch_tokens"]  # 4,096 tokens per step; budgets are given in steps
+FULL_STEPS = SIZE_DEFAULTS["tiny"]["total_tokens"] // BATCH_TOKENS  # 660 steps = 2.7M tokens
+ARMS = ("lev", "tied", "untied")
+SEEDS = (1337, 1338)
+
+
+def grid(arm, lrs, scales):
+    """Tuning runs of one arm: each backbone lr with each (lr_input, lr_head) pair."""
+    return [dict(arm=arm, lr=lr, lr_input=lr_input, lr_head=lr_head) for lr in lrs for lr_input, lr_head in scales]
+
+
+# Each plan: the data folder, the steps, the seeds, extra train.py options, and its runs. The
+# tuning grid is centred on the issue's preliminary results (tied: 3e-3 and 6e-3 within 2%; the
+# zero-initialised untied head wants ~10x the backbone's rate; LEV ~1/10 of it with the head at
+# x10) and gives every arm the same number of runs (2). All budgets are cut to fit ~100 minutes
+# of 2 CPU cores shared with other work (~1-2k tokens/s): tuning at 110 steps (450k tokens),
+# the comparison at 220 steps (901k tokens, a third of the tiny preset's 660). Short runs favour
+# higher learning rates, a bias every arm shares.
+PLANS = {
+    "tune": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
+        grid("tied", [3e-3, 6e-3], [(1.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 10.0), (1.0, 30.0)])
+        + grid("lev", [3e-3], [(0.1, 10.0), (0.3, 10.0)]))),
+    # Regime 0: today's tiny preset and 8,192-id vocabulary, two seeds.
+    "final": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
+    # Regime (b): a 32,768-id vocabulary, so that rare targets exist. 31.9 MFLOP per token
+    # against 13.0 at 8,192 ids (leviathan.Model.flops_per_token): ~2.5x slower.
+    "vocab32k": dict(data="data/demo32k-final", steps=FULL_STEPS // 3, seeds=SEEDS[:1], options=[], runs="best"),
+    # Regime (a): toward the paper's ~20 tokens per parameter with a smaller model (tied 0.66M
+    # parameters, lev 1.0M, untied 1.18M) on 12.3M tokens (19 / 12 / 10 tokens per parameter),
+    # ~3.5 passes over the demo corpus.
+    "long": dict(data="data/demo-final", steps=3000, seeds=SEEDS[:1],
+                 options=["--d_model=64", "--n_layer=2", "--n_head=2"], runs="best"),
+}
+
+
+class StudyError(Exception):
+    """Bad input; reported as one `error:` line."""
+
+
+# ---------------------------------------------------------------------------- prepare
+
+def split_val(val, eot_id):
+    """Cut the validation tokens in two at the end-of-text nearest the middle, so that no
+    document is in both halves: (tuning half, final half)."""
+    ends = np.flatnonzero(val == eot_id) + 1  # a document ends just after its end-of-text
+    if len(ends) == 0:
+        raise StudyError("the validation split has no end-of-text token to cut at")
+    cut = int(ends[np.argmin(np.abs(ends - len(val) / 2))])
+    return val[:cut], val[cut:]
+
+
+def prepare_one(source):
+    """data/<name>-tune and data/<name>-final: links to the source's training shards and
+    counts.npy, and one half of its validation split each."""
+    meta = load_meta(source)
+    val = np.concatenate([read_shard(p) for p in shard_paths(source, "val")])
+    for half, tokens in zip(("tune", "final"), split_val(val, meta["eot_id"])):
+        target = f"{source}-{half}"
+        os.makedirs(target, exist_ok=True)
+        for path in shard_paths(source, "train") + [os.path.join(source, "counts.npy")]:
+            link = os.path.join(target, os.path.basename(path))
+            if not os.path.lexists(link):
+                os.symlink(os.path.relpath(path, target), link)
+        write_shard(os.path.join(target, "val_000000.bin"), tokens, meta["vocab_size"])
+        half_meta = dict(meta, command=f"python study.py prepare  (the {half} half of {source}'s val split)")
+        half_meta["splits"] = dict(meta["splits"], val=dict(tokens=len(tokens), shards=1))
+        with open(os.path.join(target, "meta.json"), "w") as f:  # last: its presence means "complete"
+            json.dump(half_meta, f, indent=2)
+        print(f"{target}: {len(tokens):,} validation tokens")
+
+
+def prepare(sources=("data/demo", "data/demo32k")):
+    for source in sources:
+        if not os.path.isfile(os.path.join(source, "meta.json")):
+            name = os.path.basename(source)
+            raise StudyError(f"{source} is missing: run `python prepare_data.py --dataset=demo"
+                             + ("" if name == "demo" else f" --vocab_size=32768 --name={name}") + "` first")
+        prepare_one(source)
+
+
+# ---------------------------------------------------------------------------- runs
+
+def run_name(run, seed):
+    head = "" if run["arm"] == "tied" else f"-head{run['lr_head']:g}"
+    return f"{run['arm']}-lr{run['lr']:g}-in{run['lr_input']:g}{head}-seed{seed}"
+
+
+def final_eval(out_dir):
+    """The eval_step{N}.json of the run's last evaluation, or None before the first."""
+    paths = glob.glob(os.path.join(out_dir, "eval_step*.json"))
+    if not paths:
+        return None
+    with open(max(paths, key=lambda p: int(p.rsplit("step", 1)[1][:-5]))) as f:
+        return json.load(f)
+
+
+def best_settings(arm):
+    """The tuning run of `arm` with the lowest validation loss (the protocol's only choice)."""
+    plan = PLANS["tune"]
+    done = [(final_eval(os.path.join(STUDY_DIR, "tune", run_name(r, plan["seeds"][0]))), r)
+            for r in plan["runs"] if r["arm"] == arm]
+    done = [(e["val_loss"], r) for e, r in done if e and e["step"] == plan["steps"]]
+    if len(done) < sum(r["arm"] == arm for r in plan["runs"]):
+        raise StudyError(f"the tuning runs of {arm} are not all finished: run `python study.py sweep tune` first")
+    return min(done, key=lambda pair: pair[0])[1]
+
+
+def planned_runs(plan_name):
+    """(out_dir, train.py arguments) of every run of the plan, in order."""
+    plan = PLANS[plan_name]
+    runs = [best_settings(arm) for arm in ARMS] if plan["runs"] == "best" else plan["runs"]
+    out = []
+    for seed in plan["seeds"]:  # all arms at one seed before the next: a cut-short sweep stays comparable
+        for run in runs:
+            out_dir = os.path.join(STUDY_DIR, plan_name, run_name(run, seed))
+            evaluations = 1 if plan_name == "tune" else 4  # the curves need points; tuning only the end
+            args = [f"--embedding={run['arm']}", f"--data_dir={plan['data']}", f"--out_dir={out_dir}",
+                    f"--lr={run['lr']}", f"--lr_input={run['lr_input']}", f"--seed={seed}",
+                    f"--total_tokens={plan['steps'] * BATCH_TOKENS}", f"--eval_interval={plan['steps'] // evaluations}",
+                    "--eval_tokens=1000000000"]  # the whole validation half
+            args += [] if run["arm"] == "tied" else [f"--lr_head={run['lr_head']}"]
+            out.append((out_dir, args + plan["options"]))
+    return out
+
+
+def measured_speed(plan):
+    """Median training tokens/s of the runs so far (finished or not) with this plan's vocabulary
+    and model options, which fix the speed; None before the first."""
+    vocab = load_meta(plan["data"])["vocab_size"]
+    speeds = [speed for plan_name, config, _, speed in load_runs() if speed and plan_name in PLANS
+              and config["model"]["vocab_size"] == vocab and PLANS[plan_name]["options"] == plan["options"]]
+    return statistics.median(speeds) if speeds else None
+
+
+def sweep(plan_names, deadline=None):
+    """Run the plans' runs one at a time. With a deadline: skip a run whose estimated time (from
+    the speed measured on its shape) ends after it, and stop the one in progress when it comes."""
+    for plan_name in plan_names:
+        plan = PLANS[plan_name]
+        for out_dir, args in planned_runs(plan_name):
+            evaluated = final_eval(out_dir)
+            if evaluated and evaluated["step"] == plan["steps"]:
+                continue
+            speed = measured_speed(plan)
+            estimate = plan["steps"] * BATCH_TOKENS / speed * 1.1 if speed else None  # +10% for evaluations
+            if deadline and time.time() + (estimate or 0) > deadline:  # a shape not yet measured: try it
+                print(f"not run: {out_dir} (estimated {(estimate or 0) / 60:.0f} min, past the deadline)", flush=True)
+                continue
+            resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt.pt")) else []
+            print(f"{time.strftime('%H:%M')} running {out_dir}"
+                  + (f" (estimated {estimate / 60:.0f} min)" if estimate else ""), flush=True)
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "train.out"), "a") as log:
+                process = subprocess.Popen([sys.executable, "train.py", *args, *resume], stdout=log, stderr=log)
+                try:
+                    code = process.wait(timeout=max(1.0, deadline - time.time()) if deadline else None)
+                except subprocess.TimeoutExpired:  # train.py saves a checkpoint and exits: rerun to resume
+                    process.send_signal(signal.SIGTERM)
+                    code = process.wait()
+                    print(f"  stopped at the deadline; `python study.py sweep {plan_name}` resumes it", flush=True)
+            if code and not (deadline and time.time() >= deadline):
+                print(f"  train.py exited with {code}; see {out_dir}/train.out", flush=True)
+
+
+# ---------------------------------------------------------------------------- results
+
+def load_runs(root=STUDY_DIR):
+    """(plan, config, last evaluation, median tokens/s) of every run folder under root/<plan>/."""
+    runs = []
+    for config_path in sorted(glob.glob(os.path.join(root, "*", "*", "config.json"))):
+        out_dir = os.path.dirname(config_path)
+        with open(config_path) as f:
+            config = json.load(f)
+        log_path = os.path.join(out_dir, "log.jsonl")
+        records = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
+        speeds = [r["tokens_per_s"] for r in records if r["type"] == "train"]
+        runs.append((os.path.basename(os.path.dirname(out_dir)), config, final_eval(out_dir),
+                     statistics.median(speeds) if speeds else None))
+    return runs
+
+
+def settings(config):
+    t = config["train"]
+    head = "-" if t["embedding"] == "tied" else f"x{t['lr_head']:g}"
+    return f"{t['lr']:g}", f"x{t['lr_input']:g}", head
+
+
+def table(root=STUDY_DIR):
+    """Markdown: every run (finished or not), the mean and spread over seeds of the finished
+    ones, and the frequency-bucket table of every plan but tuning."""
+    runs = load_runs(root)
+    print("| plan | arm | lr | input lr | head lr | seed | steps | tokens | val loss | val ppl | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for plan, config, ev, speed in runs:
+        t = config["train"]
+        result = (f"{ev['step']} | {ev['tokens_seen']:,} | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f}"
+                  if ev else "- | - | - | -")
+        speed_text = f"{speed:,.0f}" if speed else "-"
+        print(f"| {plan} | {t['embedding']} | {' | '.join(settings(config))} | {t['seed']} | {result} | {speed_text} |")
+    groups = {}  # (plan, arm, settings) -> the finished runs' last evaluations, one per seed
+    for plan, config, ev, _ in runs:
+        if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
+            groups.setdefault((plan, config["train"]["embedding"], settings(config)), []).append(ev)
+    print("\nMean over seeds (spread: max - min); finished runs only:\n")
+    print("| plan | arm | lr, input, head | seeds | val loss | val ppl (each seed) | ppl spread |")
+    print("|---|---|---|---|---|---|---|")
+    for (plan, arm, lrs), evs in groups.items():
+        ppls = [e["val_ppl"] for e in evs]
+        print(f"| {plan} | {arm} | {', '.join(lrs)} | {len(evs)} | {statistics.mean(e['val_loss'] for e in evs):.4f} | "
+              f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)}) | "
+              + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
+    for plan in sorted({key[0] for key in groups} - {"tune"}):
+        bucket_table(plan, {key[1]: evs for key, evs in groups.items() if key[0] == plan})
+
+
+def bucket_table(plan, evals_by_arm):
+    """Perplexity by the target's training count, mean over seeds of each bucket's loss, and
+    lev's perplexity relative to each baseline."""
+    arms = [arm for arm in ARMS if arm in evals_by_arm]
+    baselines = [arm for arm in ("tied", "untied") if "lev" in arms and arm in arms]
+    print(f"\n{plan}: validation perplexity by the target's training count (mean loss over seeds)\n")
+    print("| training count | val tokens | " + " | ".join(arms + [f"lev vs {b}" for b in baselines]) + " |")
+    print("|---|---|" + "---|" * (len(arms) + len(baselines)))
+    for j, row in enumerate(evals_by_arm[arms[0]][0]["buckets"]):
+        if not row["tokens"]:
+            continue
+        ppl = {arm: float(np.exp(np.mean([e["buckets"][j]["loss"] for e in evals_by_arm[arm]]))) for arm in arms}
+        cells = [f"{ppl[a]:,.1f}" for a in arms] + [f"{100 * (ppl['lev'] / ppl[b] - 1):+.1f}%" for b in baselines]
+        print(f"| {row['counts']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+
+
+COLOURS = dict(lev="tab:red", tied="tab:blue", untied="tab:green")
+
+
+def plot_losses(plt, plan, runs, root):
+    """Validation loss (the evaluations) and training loss (every 10th step) against tokens."""
+    fig, (val_ax, train_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for _, config, _, _ in runs:
+        t = config["train"]
+        with open(os.path.join(root, plan, os.path.basename(t["out_dir"]), "log.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        style = dict(color=COLOURS[t["embedding"]], linestyle="-" if t["seed"] == SEEDS[0] else "--",
+                     label=f"{t['embedding']} (seed {t['seed']})")
+        for ax, kind, key in ((val_ax, "eval", "val_loss"), (train_ax, "train", "loss")):
+            points = [(r["tokens_seen"] / 1e6, r[key]) for r in records if r["type"] == kind]
+            ax.plot(*zip(*points), marker="o" if kind == "eval" else None, **style)
+    val_ax.set(xlabel="training tokens (millions)", ylabel="loss (nats)", title=f"{plan}: validation loss")
+    train_ax.set(xlabel="training tokens (millions)", title=f"{plan}: training loss (one batch)", ylim=(None, 7))
+    val_ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIGURES_DIR, f"loss_{plan}.png"), dpi=110)
+    plt.close(fig)
+
+
+def plot_buckets(plt, plan, runs):
+    """Perplexity per frequency bucket: a group of bars per bucket, the mean loss over seeds."""
+    by_arm = {}
+    for _, config, ev, _ in runs:
+        by_arm.setdefault(config["train"]["embedding"], []).append(ev)
+    arms = [arm for arm in ARMS if arm in by_arm]
+    buckets = by_arm[arms[0]][0]["buckets"]
+    rows = [j for j, row in enumerate(buckets) if row["tokens"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(arms)
+    for k, arm in enumerate(arms):
+        ppl = [np.exp(np.mean([e["buckets"][j]["loss"] for e in by_arm[arm]])) for j in rows]
+        offset = (k - (len(arms) - 1) / 2) * width  # the arms side by side around each bucket
+        ax.bar(np.arange(len(rows)) + offset, ppl, width=width, color=COLOURS[arm], label=arm)
+    ax.set_xticks(np.arange(len(rows)), [f"{buckets[j]['counts']}\n({buckets[j]['tokens']:,})" for j in rows])
+    ax.set(yscale="log", xlabel="target's count in the training split (validation tokens)",
+           ylabel="validation perplexity", title=f"{plan}: perplexity by frequency bucket")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIGURES_DIR, f"buckets_{plan}.png"), dpi=110)
+    plt.close(fig)
+
+
+def plot(root=STUDY_DIR):
+    """figures/loss_<plan>.png and figures/buckets_<plan>.png for every plan but tuning, from
+    its finished runs."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise StudyError("plot needs matplotlib: pip install matplotlib") from None
+    os.makedirs(FIGURES_DIR, exist_ok=True)
+    finished = [(plan, config, ev, speed) for plan, config, ev, speed in load_runs(root)
+                if plan != "tune" and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
+    for plan in sorted({r[0] for r in finished}):
+        runs = [r for r in finished if r[0] == plan]
+        plot_losses(plt, plan, runs, root)
+        plot_buckets(plt, plan, runs)
+        print(f"wrote {FIGURES_DIR}/loss_{plan}.png and {FIGURES_DIR}/buckets_{plan}.png")
+
+
+# ---------------------------------------------------------------------------- command line
+
+def parse_deadline(text):
+    """HH:MM today (local time) -> seconds since the epoch."""
+    try:
+        hours, minutes = (int(x) for x in text.split(":"))
+        return time.mktime(time.localtime()[:3] + (hours, minutes, 0, 0, 0, -1))
+    except (ValueError, OverflowError):
+        raise StudyError(f"--deadline={text}: expected HH:MM") from None
+
+
+def main(argv):
+    commands = ("prepare", "sweep", "table", "plot")
+    if not argv or argv[0] not in commands:
+        raise StudyError(f"expected one of {', '.join(commands)} (see the top of study.py)")
+    command, rest = argv[0], argv[1:]
+    deadline = [parse_deadline(a.removeprefix("--deadline=")) for a in rest if a.startswith("--deadline=")]
+    names = [a for a in rest if not a.startswith("--deadline=")]
+    if command == "sweep":
+        unknown = [n for n in names if n not in PLANS]
+        if unknown or not names:
+            raise StudyError(f"sweep needs plans among {', '.join(PLANS)}; got {' '.join(unknown) or 'none'}")
+        return sweep(names, deadline[0] if deadline else None)
+    if rest:
+        raise StudyError(f"{command} takes no options; got {' '.join(rest)}")
+    {"prepare": prepare, "table": table, "plot": plot}[command]()
+
+
+def cli(argv):
+    """main() with a StudyError reported as one `error:` line and exit status 1."""
+    try:
+        main(argv)
+    except StudyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
