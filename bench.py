@@ -12,6 +12,7 @@ import contextlib
 import io
 import itertools
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -134,6 +135,59 @@ def bench_model(args, device):
     tiny = Config.from_size("tiny")
     bench_arms("tiny preset (demo vocabulary)", tiny, real_token_batch(demo, 16, tiny.seq_len),
                device, args.compile, args.repeats)
+    bench_lev_alone(cpu_sized, real_token_batch(o200k, 8, cpu_sized.seq_len)[:, :-1].unique(), device, args.repeats)
+
+
+def lev_forward_backward(lev, ids, reference):
+    """LEV's share of a training step: E for the distinct ids, then the gradients of its parameters."""
+    E = (lev.generate_reference if reference else lev.generate)(ids)
+    E.backward(torch.ones_like(E))
+
+
+def proc_status_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
+def lev_peak_bytes(cfg, ids, reference, device_name):
+    """Peak memory of lev_forward_backward above where it starts. Run in a fresh process: on
+    CPU, memory an earlier run freed but the process kept would hide part of the peak."""
+    device = torch.device(device_name)
+    lev = LEV(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
+              cfg.lev_knots, cfg.lev_rank).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        lev_forward_backward(lev, ids.to(device), reference)
+        return torch.cuda.max_memory_allocated() - start
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # restart the peak resident size (VmHWM) from the current one
+    start = proc_status_bytes("VmRSS")
+    lev_forward_backward(lev, ids, reference)
+    return proc_status_bytes("VmHWM") - start
+
+
+def bench_lev_alone(cfg, ids, device, repeats):
+    """LEV by itself at the paper's hyper-parameters: generate() against generate_reference(), the spec
+    written out (dense basis, plain matmul, all of phi kept for the backward), interleaved."""
+    torch.manual_seed(0)
+    lev = LEV(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
+              cfg.lev_knots, cfg.lev_rank).to(device)
+    times = {False: [], True: []}
+    for _, reference in itertools.product(range(repeats + 1), times):  # the first round warms up
+        start = time.perf_counter()
+        lev_forward_backward(lev, ids.to(device), reference)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times[reference].append(time.perf_counter() - start)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        peaks = {reference: pool.apply(lev_peak_bytes, (cfg, ids, reference, device.type)) for reference in times}
+    print(f"\nLEV alone, forward + backward for the {len(ids):,} distinct ids of the o200k batch above "
+          f"(h={cfg.lev_heads} d_seed={cfg.lev_seed_dim} kappa={cfg.lev_knots} r={cfg.lev_rank} D={cfg.d_model}), "
+          f"{device.type}, median of {repeats}; peak memory from a fresh process")
+    print(f"{'path':<30}{'ms':>9}{'peak MB':>10}")
+    for reference, label in ((True, "generate_reference (the spec)"), (False, "generate (fast)")):
+        print(f"{label:<30}{statistics.median(times[reference][1:]) * 1e3:>9.1f}{peaks[reference] / 2**20:>10.0f}")
 
 
 def bench_data(args, device):
@@ -311,7 +365,10 @@ SECTIONS = {"model": bench_model, "loss": bench_loss, "data": bench_data, "train
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one `error:` line instead of usage text
+            sys.exit(f"error: {message} (see python bench.py --help)")
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all but gpu)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -320,6 +377,10 @@ def main():
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: must be >= 1 (each figure is a median over repeats)")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        parser.error(f"--device={args.device}: must be cpu, or cuda on a machine with a CUDA GPU")
     device = torch.device(args.device)
     for section in args.sections or [name for name in SECTIONS if name != "gpu"]:
         SECTIONS[section](args, device)

@@ -34,26 +34,28 @@ def to_digits(ids, base, digits):
     return (ids.unsqueeze(-1) // powers) % base
 
 
-def bspline_basis(t, knots):
-    """Step 3c: quadratic B-spline basis B_m(t) = beta((t - g_m)(kappa - 1)) on the knots
-    g_m = m / (kappa - 1). t: [...] in (0, 1). Returns [..., kappa].
-
-    beta has support |x| < 1.5, so only the nearest knot c and its two neighbours are
-    non-zero; with f = t (kappa - 1) - c in [-0.5, 0.5] their values are
-    beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
-    Only these three are computed, then scattered into place (test_leviathan.py checks
-    the result against beta written out for every knot)."""
+def bspline_nonzero(t, knots):
+    """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
+    only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
+    in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
+    Returns three [..., 3] tensors for the knots c - 1, c, c + 1: the index m (clamped into
+    [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
     position = t * (knots - 1)
-    nearest = position.round().clamp(0, knots - 1)
-    f = (position - nearest).unsqueeze(-1)
-    values = torch.cat([0.5 * (0.5 - f) ** 2, 0.75 - f**2, 0.5 * (0.5 + f) ** 2], -1)
-    index = nearest.long().unsqueeze(-1) + torch.tensor([-1, 0, 1], device=t.device)
-    # (R) Normalise to a partition of unity: at the two end knots a neighbour falls
-    # outside [0, kappa) and is dropped, and the raw sum would dip to 0.875 there.
-    values = values * ((index >= 0) & (index < knots))
-    values = values / values.sum(-1, keepdim=True)
-    padded = torch.zeros(*t.shape, knots + 2, dtype=t.dtype, device=t.device)
-    return padded.scatter(-1, index + 1, values)[..., 1:-1]  # +1: room for index -1 and kappa
+    nearest = position.round()
+    f = position - nearest
+    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead so whole planes vectorise
+    a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
+                           device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
+    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
+    inside = (neighbours >= 0) & (neighbours < knots)
+    values, slopes = (a + b * f + c * f**2) * inside, (b + 2 * c * f) * inside * (knots - 1)
+    # (R) Normalise to a partition of unity: at the two end knots a neighbour falls outside
+    # [0, kappa) and is dropped, and the raw sum would dip to 0.875 there.
+    total = values.sum(0)
+    values = values / total
+    slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
+    index = neighbours.clamp_(0, knots - 1).long()
+    return tuple(x.movedim(0, -1).contiguous() for x in (index, values, slopes))
 
 
 class LEV(nn.Module):
@@ -96,22 +98,36 @@ class LEV(nn.Module):
         nn.init.normal_(self.out_proj, std=0.02 / math.sqrt(heads))
 
     def generate(self, ids):
-        """E_i for a 1-D tensor of ids: [N] -> [N, D], computed in float32.
+        """E_i for a 1-D tensor of ids: [N] -> [N, D], computed in float32; the fast
+        version of generate_reference below, step by step the same computation.
 
         (R) LEV is tiny in FLOPs but a product of d_seed factors is fragile in bf16,
         so autocast is switched off and the output is float32, just as an
-        nn.Embedding lookup stays float32 under autocast. The large tensors are laid
-        out [h, d_seed, N, ...] so that step 3d is one batched matmul per (l, d) and
-        step 3e reduces over a leading dim, with no transposes of [N, h, d_seed, r]."""
+        nn.Embedding lookup stays float32 under autocast."""
         with torch.autocast(ids.device.type, enabled=False):
-            digits = to_digits(ids, self.base, self.digits)  # [N, k]
-            z = self.codebooks[torch.arange(self.digits, device=ids.device), digits].sum(1)
-            u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # W_l z for every head l
+            digits = to_digits(ids, self.base, self.digits)  # 1: [N, k]
+            z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
+            u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z for every head l
             u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
-            t = torch.sigmoid(u).transpose(1, 2)  # [h, d_seed, N], each t_d in (0, 1)
-            basis = bspline_basis(t, self.knots)  # [h, d_seed, N, kappa]
-            modes = SplineProduct.apply(basis, self.spline)  # M_l: [h, N, r]
-            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # sum_l W_out_l M_l
+            t = torch.sigmoid(u).permute(2, 0, 1).contiguous()  # 3b: [d_seed, h, N], each t_d in (0, 1)
+            modes = separable_modes(t, self.spline)  # 3c, 3d, 3e: M_l, [h, N, r]
+            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: sum_l W_out_l M_l
+
+    def generate_reference(self, ids):
+        """generate() written straight from the spec, to read and to test against: B_m(t) on
+        every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|) directly, all of
+        B and phi ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry."""
+        digits = to_digits(ids, self.base, self.digits)  # 1
+        z = sum(self.codebooks[j, digits[:, j]] for j in range(self.digits))  # 2
+        u = F.layer_norm(torch.einsum("nd,hde->hne", z, self.seed_proj), z.shape[-1:], eps=1e-5)
+        u = u * self.norm_weight[:, None] + self.norm_bias[:, None]  # 3a
+        t = torch.sigmoid(u)  # 3b: [h, N, d_seed]
+        x = t.unsqueeze(-1) * (self.knots - 1) - torch.arange(self.knots, device=t.device)  # (t - g_m)(kappa - 1)
+        beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
+        basis = beta / beta.sum(-1, keepdim=True)  # 3c, (R) normalised
+        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d
+        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e, (R) sign * exp(sum log|phi|)
+        return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
 
     @torch.compiler.disable
     def forward(self, ids):
@@ -121,12 +137,14 @@ class LEV(nn.Module):
         changes every batch, so this stays outside torch.compile (a graph break):
         the backbone after it always sees [B, T, D] and is compiled once."""
         unique, inverse = torch.unique(ids, return_inverse=True)
-        return self.generate(unique)[inverse]
+        # F.embedding, not generate(unique)[inverse]: the backward of indexing adds the
+        # gradients of repeated ids in a varying order on a multi-threaded CPU (not bit-exact)
+        return F.embedding(inverse, self.generate(unique))
 
     def compile_generator(self, **compile_options):
         """torch.compile the generator for any number of ids (dynamic=True: one graph
-        whatever N is). Fusing the element-wise passes over [h, d_seed, N, r] makes
-        it ~4x faster than eager on CPU; it is called by train.py when compiling."""
+        whatever N is). It fuses the small steps around separable_modes, which stays
+        eager (see there); train.py calls this when compiling."""
         self.generate = torch.compile(self.generate, dynamic=True, **compile_options)
 
     @torch.no_grad()
@@ -137,34 +155,80 @@ class LEV(nn.Module):
         return torch.cat([self.generate(c) for c in ids.split(chunk)])
 
 
-class SplineProduct(torch.autograd.Function):
-    """Steps 3d-3e: phi_d = sum_m B_m(t_d) S_l[d, m] and M_l = prod_d phi_d.
+# phi is made for a chunk of seed coordinates at a time, at most this many floats (16 MB, or
+# one coordinate if that is more): few ops in the loop, and each chunk stays in cache.
+CHUNK_FLOATS = 1 << 22
 
-    basis [h, d_seed, N, kappa] @ spline [h, d_seed, kappa, r] -> phi [h, d_seed, N, r],
-    reduced over d_seed to M [h, N, r]. phi is the one big tensor in LEV (d_seed * r
-    floats per head and id), so it is never stored: the forward pass saves the basis
-    (kappa / r of phi's size: 1/4 with the paper's r = 64) and the backward pass
-    recomputes phi.
 
-    (R) A direct product of 128 factors under- or overflows, so M is computed as
-    sign-parity * exp(sum_d log|phi_d|). The backward pass needs no logs at all:
-    dM/dphi_d = M / phi_d."""
+def seed_chunks(t, rank):
+    seed_dim, heads, n = t.shape
+    size = max(1, CHUNK_FLOATS // (heads * n * rank))
+    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
+
+
+def spline_features(t, spline):
+    """Steps 3c-3d for a chunk of seed coordinates, t [d, h, N] and S [h, d, kappa, r]:
+    phi_d = sum_m B_m(t_d) S_l[d, m], [d, h, N, r], and the knots used. With 3 non-zero
+    B_m(t_d), phi_d is a weighted sum of 3 rows of S, which F.embedding_bag computes in one
+    pass of float32 multiply-adds: no dense basis, no matmul, so exact float32 on any device."""
+    heads, seed_dim, knots, rank = spline.shape
+    index, values, slopes = bspline_nonzero(t, knots)
+    first_row = torch.arange(0, heads * seed_dim * knots, knots, device=t.device).view(heads, seed_dim).t()
+    rows = index + first_row[:, :, None, None]  # the row of S_l[d, m] in S viewed as [h * d * kappa, r]
+    table = spline.detach().reshape(-1, rank)  # detached, or embedding_bag prepares its own backward
+    phi = F.embedding_bag(rows.view(-1, 3), table, per_sample_weights=values.view(-1, 3), mode="sum")
+    return phi.view(*t.shape, rank), index, values, slopes
+
+
+class SeparableProduct(torch.autograd.Function):
+    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
+
+    phi, [d_seed, h, N, r], is LEV's one big tensor, so it is never held whole: each chunk of
+    coordinates d is made, folded into M and freed, and the backward pass makes it again
+    from t. Only t, S and M are saved.
+
+    (R) A direct product of 128 factors under- or overflows, so M = sign-parity *
+    exp(sum_d log|phi_d|); the parity is the sign of each chunk's plain product, which IEEE
+    floats keep exactly even where it under- or overflows to +-0 or +-inf.
+
+    Backward: dM/dphi_d = M / phi_d, so dL/dphi_d = q_d = (dL/dM * M) / phi_d, and
+    dL/dS_l[d, m] = sum_n B_m(t_d) q_d,  dL/dt_d = sum_m dB_m/dt_d <q_d, S_l[d, m]>: two
+    matmuls with the chunk's dense basis, the fastest way on CPU (with TF32 on, these
+    gradients round like the rest of the backward; phi and M never go through a matmul)."""
 
     @staticmethod
-    def forward(ctx, basis, spline):
-        phi = basis @ spline
-        log_abs = phi.abs().clamp_(min=1e-30).log_().sum(1)  # clamp: guard log(0) only
-        # The sign parity is the sign of the plain product: even where that product
-        # under- or overflows to +-0 or +-inf, IEEE floats keep its sign exactly.
-        modes = log_abs.exp_().copysign_(phi.prod(1))
-        ctx.save_for_backward(basis, spline, modes)
+    def forward(ctx, t, spline):
+        log_abs, negative = 0.0, False
+        for d in seed_chunks(t, spline.shape[-1]):
+            phi = spline_features(t[d], spline[:, d])[0]
+            negative = negative ^ phi.prod(0).signbit()
+            log_abs = log_abs + phi.abs_().log_().sum(0)
+        modes = log_abs.exp_()
+        modes = torch.where(negative, -modes, modes)
+        ctx.save_for_backward(t, spline, modes)
         return modes
 
     @staticmethod
     def backward(ctx, grad_modes):
-        basis, spline, modes = ctx.saved_tensors
-        grad_phi = (basis @ spline).reciprocal_().mul_((grad_modes * modes).unsqueeze(1))
-        return grad_phi @ spline.transpose(-1, -2), basis.transpose(-1, -2) @ grad_phi
+        t, spline, modes = ctx.saved_tensors
+        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
+        grad_times_modes = grad_modes * modes  # dL/dM * M, the same for every d
+        for d in seed_chunks(t, spline.shape[-1]):
+            chunk = spline[:, d].transpose(0, 1)  # [d, h, kappa, r]
+            phi, index, values, slopes = spline_features(t[d], spline[:, d])
+            q = torch.div(grad_times_modes, phi, out=phi)  # dL/dphi_d, in place of phi
+            basis = q.new_zeros(*index.shape[:-1], chunk.shape[2]).scatter_add_(-1, index, values)
+            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
+            q_dot_rows = q @ chunk.transpose(-1, -2)  # <q_d, S_l[d, m]> for every knot m
+            grad_t[d] = (q_dot_rows.gather(-1, index) * slopes).sum(-1)
+        return grad_t, grad_spline
+
+
+@torch.compiler.disable
+def separable_modes(t, spline):
+    """SeparableProduct kept out of torch.compile: traced, its backward's rebuilt phi
+    would be merged with the forward's, and phi saved after all."""
+    return SeparableProduct.apply(t, spline)
 
 
 # -----------------------------------------------------------------------------
@@ -277,10 +341,25 @@ class Config:
     lev_rank: int = 64  # r
 
     def __post_init__(self):
+        """Refuse shapes that would crash later or train something that is not the method."""
         if self.embedding not in EMBEDDINGS:
-            raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {self.embedding!r}")
+            raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
+        for name, least, why in [("vocab_size", 2, "a vocabulary"), ("d_model", 2, "a model width"),
+                                 ("n_layer", 1, "a block"), ("n_head", 1, "an attention head"),
+                                 ("seq_len", 1, "a position"), ("lev_digits", 1, "a digit"),
+                                 ("lev_seed_dim", 2, "LayerNorm over z's coordinates"),
+                                 ("lev_heads", 1, "a LEV head"),
+                                 ("lev_knots", 3, "the quadratic B-spline spans three knots; with one, "
+                                                  "every id gets the same embedding"),
+                                 ("lev_rank", 1, "a mode")]:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value}: must be an integer >= {least} ({why})")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta}: must be > 0 (the rotary base)")
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
-            raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
+            raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads "
+                             "(rotary embeddings rotate pairs of dimensions)")
 
     @property
     def ffn_dim(self):

@@ -499,9 +499,11 @@ class _Progress:
 # ---------------------------------------------------------------------------- driver
 
 def write_json(path, obj):
-    """Atomically (temporary file, then rename): a crash leaves the old file or the new one."""
+    """Atomically (temporary file, fsync, then rename): a crash leaves the old file or the new one."""
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
@@ -532,8 +534,12 @@ def _parse_args(argv):
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if not 0 < args.val_fraction <= 0.5 and not args.val:
         raise PrepareError("--val_fraction must be in (0, 0.5]")
-    if not 0 < args.shard_tokens < 1 << 31 or (args.max_tokens or 1) <= 0 or args.workers <= 0:
-        raise PrepareError("--shard_tokens must be in [1, 2**31); --max_tokens and --workers positive")
+    for name, bad, allowed in [("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32 count)"),
+                               ("val_tokens", args.val_tokens < 1, ">= 1"),
+                               ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
+                               ("workers", args.workers < 1, ">= 1 (tokenizer threads)")]:
+        if bad:
+            raise PrepareError(f"--{name}={getattr(args, name)}: must be {allowed}")
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
     return args
@@ -623,7 +629,10 @@ def prepare(argv=None):
     config = dict(source=source, tokenizer=args.tokenizer, vocab_size=args.vocab_size or None,
                   val_fraction=args.val_fraction, val_tokens=args.val_tokens, max_tokens=args.max_tokens,
                   shard_tokens=args.shard_tokens, format_version=VERSION)
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise PrepareError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
     progress = _load_progress(out_dir, json.loads(json.dumps(config)))
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
@@ -650,8 +659,12 @@ def prepare(argv=None):
 def main(argv=None):
     try:
         meta = prepare(argv)
-    except (PrepareError, ShardError, OSError) as e:
+    except (PrepareError, ShardError) as e:
         print_error(e)
+        return 1
+    except OSError as e:  # a full disk, a folder without write permission, ...
+        where = f" ({e.filename})" if e.filename else ""
+        print_error(f"{e.strerror or e}{where}; complete shards are kept: fix it and run the same command to resume")
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted: complete shards are kept; run the same command to resume", file=sys.stderr)

@@ -70,8 +70,50 @@ class TrainConfig:
     compile: bool | None = None  # torch.compile; None: on for CUDA, off for CPU
     bf16: bool | None = None  # bf16 autocast (LEV and the loss stay float32); None: on for CUDA, off for CPU
     bf16_allreduce: bool = False  # DDP: all-reduce gradients in bf16, half the traffic (for several nodes)
+    deterministic: bool = False  # deterministic kernels: bit-identical reruns and resumes (CUDA: slower; README)
     wandb_project: str = ""  # log to Weights & Biases (needs `pip install wandb`)
     wandb_run_name: str = ""
+
+    def __post_init__(self):
+        """Refuse out-of-range values before any work starts; None means "from the size" and is
+        checked once resolve() has filled it in. Model shapes are Config's to check."""
+        for name, (allowed, bounds, why) in TRAIN_RULES.items():
+            value = getattr(self, name)
+            if value is not None and not allowed(value):
+                raise TrainError(f"--{name}={value}: must be {bounds} ({why})")
+        if self.wandb_run_name and not self.wandb_project:
+            raise TrainError("--wandb_run_name needs --wandb_project")
+
+
+def _finite(v):
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+# What each option may be: (test, the allowed range as the error states it, why).
+TRAIN_RULES = {
+    "size": (lambda v: v in SIZES, f"one of {', '.join(SIZES)}", "the model presets"),
+    "embedding": (lambda v: v in EMBEDDINGS, f"one of {', '.join(EMBEDDINGS)}", "the three arms"),
+    "dataset": (lambda v: v != "", "a name under data/", "what prepare_data.py wrote"),
+    "total_tokens": (lambda v: v >= 1, ">= 1", "the training budget"),
+    "batch_tokens": (lambda v: v >= 1, ">= 1", "tokens per optimizer step"),
+    "micro_batch": (lambda v: v >= 1, ">= 1", "sequences per forward pass"),
+    "lr": (lambda v: _finite(v) and v > 0, "> 0", "the peak learning rate"),
+    "lr_input": (lambda v: _finite(v) and v > 0, "> 0", "a multiplier of --lr"),
+    "lr_head": (lambda v: _finite(v) and v > 0, "> 0", "a multiplier of --lr"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0", "steps of linear warmup"),
+    "min_lr_frac": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]", "the final fraction of --lr"),
+    "weight_decay": (lambda v: _finite(v) and v >= 0, ">= 0", "a negative decay would grow the weights"),
+    "beta1": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)", "AdamW's first-moment decay"),
+    "beta2": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)", "AdamW's second-moment decay"),
+    "grad_clip": (lambda v: _finite(v) and v > 0, "> 0", "the largest gradient norm"),
+    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2^63)", "a random seed"),
+    "eval_interval": (lambda v: v >= 1, ">= 1", "steps between evaluations"),
+    "eval_tokens": (lambda v: v >= 1, ">= 1", "validation tokens"),
+    "log_interval": (lambda v: v >= 1, ">= 1", "steps between log lines"),
+    "ckpt_interval": (lambda v: v >= 1, ">= 1", "steps between checkpoints"),
+    "stop_step": (lambda v: v >= 0, ">= 0", "0 runs to the end"),
+    "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda", "where to train"),
+}
 
 
 # Paper sizes follow the paper's v1 setup: 512 sequences of 512 tokens per step and ~20 tokens per
@@ -96,12 +138,13 @@ SIZE_DEFAULTS = {
 MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
-               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce",
+               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
                "wandb_project", "wandb_run_name"}
-# Learning-rate multipliers per arm (lr_input, lr_head), from the CPU-scale study in the README:
-# the zero-initialised untied head wants ~10x the backbone's rate, LEV ~1/10 of it.
-LR_SCALES = {"lev": dict(lr_input=0.1, lr_head=10.0), "tied": dict(lr_input=1.0, lr_head=1.0),
-             "untied": dict(lr_input=1.0, lr_head=10.0)}
+# Learning-rate multipliers per arm (lr_input, lr_head), chosen by the CPU-scale study in the README
+# (tiny preset, a short budget): the zero-initialised untied head wants 10-30x the backbone's rate,
+# LEV a fraction of it. Not checked at the paper's sizes.
+LR_SCALES = {"lev": dict(lr_input=0.3, lr_head=10.0), "tied": dict(lr_input=1.0, lr_head=1.0),
+             "untied": dict(lr_input=1.0, lr_head=30.0)}
 # Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
 # order on torch.cuda.get_device_name(), so a variant comes before the plain name it contains.
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
@@ -163,27 +206,13 @@ def resolve(given, saved=None):
         except TypeError as e:  # a checkpoint from another version of train.py
             raise TrainError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
     tc = TrainConfig(**given)
-    if tc.size not in SIZES:
-        raise TrainError(f"unknown size {tc.size!r}; choose one of {', '.join(SIZES)}")
-    if tc.embedding not in EMBEDDINGS:
-        raise TrainError(f"unknown embedding {tc.embedding!r}; choose one of {', '.join(EMBEDDINGS)}")
-    for key, value in SIZE_DEFAULTS[tc.size].items():
-        if getattr(tc, key) is None:
-            setattr(tc, key, value)
-    for key in MODEL_FIELDS:
-        if getattr(tc, key) is None:
-            setattr(tc, key, getattr(SIZES[tc.size], key))
     if tc.embedding == "tied" and tc.lr_head not in (None, 1.0):
         raise TrainError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
-    for key, value in LR_SCALES[tc.embedding].items():
-        if getattr(tc, key) is None:
-            setattr(tc, key, value)
-    tc.out_dir = tc.out_dir or os.path.join("out", f"{tc.size}-{tc.embedding}")
-    positive = ["total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "eval_interval", "eval_tokens",
-                "log_interval", "ckpt_interval", "grad_clip"]
-    bad = [k for k in positive if getattr(tc, k) <= 0] + (["warmup_steps"] if tc.warmup_steps < 0 else [])
-    if bad:
-        raise TrainError(f"{', '.join('--' + k for k in bad)} must be positive")
+    defaults = {**SIZE_DEFAULTS[tc.size], **LR_SCALES[tc.embedding],
+                **{k: getattr(SIZES[tc.size], k) for k in MODEL_FIELDS},
+                "out_dir": os.path.join("out", f"{tc.size}-{tc.embedding}")}
+    tc = dataclasses.replace(tc, **{k: v for k, v in defaults.items() if getattr(tc, k) in (None, "")})
+    model_config(tc, {"vocab_size": SIZES[tc.size].vocab_size})  # the model's shape rules, before any work
     return tc
 
 
@@ -191,8 +220,8 @@ def model_config(tc, meta):
     try:
         return Config(vocab_size=padded_vocab(meta["vocab_size"]), embedding=tc.embedding,
                       **{k: getattr(tc, k) for k in MODEL_FIELDS})
-    except ValueError as e:
-        raise TrainError(str(e)) from None
+    except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
+        raise TrainError(f"--{e}") from None
 
 
 # ---------------------------------------------------------------------------- data
@@ -401,8 +430,8 @@ def check_checkpoint(ckpt, cfg, meta, path):
 
 def keep_log_until(path, step):
     """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
-    if os.path.exists(path):
-        lines = [line for line in open(path) if json.loads(line)["step"] <= step]
+    if os.path.exists(path):  # a run killed mid-write leaves a partial last line: dropped too
+        lines = [line for line in open(path) if line.endswith("\n") and json.loads(line)["step"] <= step]
         with open(path + ".tmp", "w") as f:
             f.writelines(lines)
         os.replace(path + ".tmp", path)
@@ -417,13 +446,16 @@ class Run(types.SimpleNamespace):
 def setup_device(tc):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     kind = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind not in ("cpu", "cuda"):
-        raise TrainError(f"--device={tc.device}: use auto, cpu or cuda")
     if kind == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device=cuda but no CUDA GPU is available; use --device=cpu")
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in os.environ:
         raise TrainError("started as one of several SLURM tasks without torchrun: every task would train "
                          "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
+    if tc.deterministic:
+        # cuBLAS needs a fixed workspace to repeat its reductions (set before its first use); the
+        # flag then picks deterministic kernels everywhere, attention's backward included.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
     if kind == "cuda":
         # float32 matmuls stay exact (no TF32): under bf16 autocast the only ones left are LEV's,
@@ -474,6 +506,11 @@ def setup(argv):
             import wandb  # noqa: F401  (checked now, started once the run folder exists)
         except ImportError:
             raise TrainError("--wandb_project needs wandb: pip install wandb") from None
+    if rank == 0:  # the last check: the run folder is made only once everything else is right
+        try:
+            os.makedirs(tc.out_dir, exist_ok=True)
+        except OSError as e:
+            raise TrainError(f"--out_dir={tc.out_dir}: cannot create it ({e.strerror})") from None
     return Run(tc=tc, cfg=cfg, meta=meta, counts=counts, ckpt=ckpt, train=train, val=val, device=device,
                rank=rank, world=world, accum=tc.batch_tokens // per_step, step_windows=tc.batch_tokens // tc.seq_len,
                max_steps=tc.total_tokens // tc.batch_tokens, wandb=None,
@@ -682,7 +719,6 @@ def build(run):
 def start_outputs(run):
     """Rank 0: print the config, write config.json, trim the log to the checkpoint, start wandb."""
     tc, cfg = run.tc, run.cfg
-    os.makedirs(tc.out_dir, exist_ok=True)
     counts = run.model.param_counts()
     print(f"config: {json.dumps(asdict(tc))}\nmodel: {json.dumps(asdict(cfg))}")
     print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; "
