@@ -180,7 +180,7 @@ def bench_lev_alone(cfg, ids, device, repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times[reference].append(time.perf_counter() - start)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # a new process per task
         peaks = {reference: pool.apply(lev_peak_bytes, (cfg, ids, reference, device.type)) for reference in times}
     print(f"\nLEV alone, forward + backward for the {len(ids):,} distinct ids of the o200k batch above "
           f"(h={cfg.lev_heads} d_seed={cfg.lev_seed_dim} kappa={cfg.lev_knots} r={cfg.lev_rank} D={cfg.d_model}), "
