@@ -58,6 +58,98 @@ def bspline_nonzero(t, knots):
     return tuple(x.movedim(0, -1).contiguous() for x in (index, values, slopes))
 
 
+# phi is made for a chunk of seed coordinates at a time, at most this many floats (16 MB, or
+# one coordinate if that is more): few ops in the loop, and each chunk stays in cache.
+CHUNK_FLOATS = 1 << 22
+
+
+def seed_chunks(t, rank):
+    seed_dim, heads, n = t.shape
+    size = max(1, CHUNK_FLOATS // (heads * n * rank))
+    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
+
+
+def spline_features(t, spline):
+    """Steps 3c-3d for a chunk of seed coordinates, t [d, h, N] and S [h, d, kappa, r]:
+    phi_d = sum_m B_m(t_d) S_l[d, m], [d, h, N, r], and the knots used. With 3 non-zero
+    B_m(t_d), phi_d is a weighted sum of 3 rows of S, which F.embedding_bag computes in one
+    pass of float32 multiply-adds: no dense basis, no matmul, so exact float32 on any device."""
+    heads, seed_dim, knots, rank = spline.shape
+    index, values, slopes = bspline_nonzero(t, knots)
+    first_row = torch.arange(0, heads * seed_dim * knots, knots, device=t.device).view(heads, seed_dim).t()
+    rows = index + first_row[:, :, None, None]  # the row of S_l[d, m] in S viewed as [h * d * kappa, r]
+    table = spline.detach().reshape(-1, rank)  # detached, or embedding_bag prepares its own backward
+    phi = F.embedding_bag(rows.view(-1, 3), table, per_sample_weights=values.view(-1, 3), mode="sum")
+    return phi.view(*t.shape, rank), index, values, slopes
+
+
+def times_chunk_product(mantissa, exponent, phi):
+    """(mantissa * 2^exponent) * prod_d phi_d over a chunk of c coordinates, returned as a new
+    (mantissa, exponent) with |mantissa| in [0.5, 1): frexp moves the scale into an integer
+    exponent, so M never under- or overflows however many factors it has. The chunk's own
+    product is used when it is exact, which holds if every |phi_d| <= 2^k and the product
+    >= 2^(kc - 126): then every partial product is a normal float32. Otherwise (rare), one
+    coordinate at a time."""
+    low, high = phi.aminmax()
+    product, k = phi.prod(0), 62 // len(phi)
+    exact = max(-low, high) <= 2.0**k and product.abs().amin() >= 2.0 ** (k * len(phi) - 126)
+    for factor in [product] if exact else phi.unbind(0):
+        mantissa, scale = torch.frexp(mantissa * factor)
+        exponent = exponent + scale
+    return mantissa, exponent
+
+
+class SeparableProduct(torch.autograd.Function):
+    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
+
+    phi, [d_seed, h, N, r], is LEV's one big tensor, so it is never held whole: each chunk of
+    coordinates d is made, multiplied into M and freed, and the backward pass makes it again
+    from t. Only t, S and M are saved.
+
+    (R) A plain product of 128 factors can under- or overflow float32, so M is carried as
+    mantissa * 2^exponent (see times_chunk_product). That is the exact product, as
+    generate_reference's sign * exp(sum_d log|phi_d|) is, without a logarithm per factor.
+
+    Backward: dM/dphi_d = M / phi_d, so dL/dphi_d = q_d = (dL/dM * M) / phi_d, and
+    dL/dS_l[d, m] = sum_n B_m(t_d) q_d,  dL/dt_d = sum_m dB_m/dt_d <q_d, S_l[d, m]>: two
+    matmuls with the chunk's dense basis, the fastest way on CPU (with TF32 on, these
+    gradients round like the rest of the backward; phi and M never go through a matmul)."""
+
+    @staticmethod
+    def forward(ctx, t, spline):
+        seed_dim, heads, n = t.shape
+        mantissa = t.new_ones(heads, n, spline.shape[-1])
+        exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
+        for d in seed_chunks(t, spline.shape[-1]):
+            phi = spline_features(t[d], spline[:, d])[0]
+            mantissa, exponent = times_chunk_product(mantissa, exponent, phi)
+        modes = torch.ldexp(mantissa, exponent)
+        ctx.save_for_backward(t, spline, modes)
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        t, spline, modes = ctx.saved_tensors
+        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
+        grad_times_modes = grad_modes * modes  # dL/dM * M, the same for every d
+        for d in seed_chunks(t, spline.shape[-1]):
+            chunk = spline[:, d].transpose(0, 1)  # [d, h, kappa, r]
+            phi, index, values, slopes = spline_features(t[d], spline[:, d])
+            q = torch.div(grad_times_modes, phi, out=phi)  # dL/dphi_d, in place of phi
+            basis = q.new_zeros(*index.shape[:-1], chunk.shape[2]).scatter_add_(-1, index, values)
+            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
+            q_dot_rows = q @ chunk.transpose(-1, -2)  # <q_d, S_l[d, m]> for every knot m
+            grad_t[d] = (q_dot_rows.gather(-1, index) * slopes).sum(-1)
+        return grad_t, grad_spline
+
+
+@torch.compiler.disable
+def separable_modes(t, spline):
+    """SeparableProduct kept out of torch.compile: traced, its backward's rebuilt phi
+    would be merged with the forward's, and phi saved after all."""
+    return SeparableProduct.apply(t, spline)
+
+
 class LEV(nn.Module):
     """Learned embedding vectorization (spec steps 1-4).
 
@@ -153,82 +245,6 @@ class LEV(nn.Module):
         at inference LEV becomes an ordinary [V, D] lookup table."""
         ids = torch.arange(self.vocab_size, device=self.out_proj.device)
         return torch.cat([self.generate(c) for c in ids.split(chunk)])
-
-
-# phi is made for a chunk of seed coordinates at a time, at most this many floats (16 MB, or
-# one coordinate if that is more): few ops in the loop, and each chunk stays in cache.
-CHUNK_FLOATS = 1 << 22
-
-
-def seed_chunks(t, rank):
-    seed_dim, heads, n = t.shape
-    size = max(1, CHUNK_FLOATS // (heads * n * rank))
-    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
-
-
-def spline_features(t, spline):
-    """Steps 3c-3d for a chunk of seed coordinates, t [d, h, N] and S [h, d, kappa, r]:
-    phi_d = sum_m B_m(t_d) S_l[d, m], [d, h, N, r], and the knots used. With 3 non-zero
-    B_m(t_d), phi_d is a weighted sum of 3 rows of S, which F.embedding_bag computes in one
-    pass of float32 multiply-adds: no dense basis, no matmul, so exact float32 on any device."""
-    heads, seed_dim, knots, rank = spline.shape
-    index, values, slopes = bspline_nonzero(t, knots)
-    first_row = torch.arange(0, heads * seed_dim * knots, knots, device=t.device).view(heads, seed_dim).t()
-    rows = index + first_row[:, :, None, None]  # the row of S_l[d, m] in S viewed as [h * d * kappa, r]
-    table = spline.detach().reshape(-1, rank)  # detached, or embedding_bag prepares its own backward
-    phi = F.embedding_bag(rows.view(-1, 3), table, per_sample_weights=values.view(-1, 3), mode="sum")
-    return phi.view(*t.shape, rank), index, values, slopes
-
-
-class SeparableProduct(torch.autograd.Function):
-    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
-
-    phi, [d_seed, h, N, r], is LEV's one big tensor, so it is never held whole: each chunk of
-    coordinates d is made, folded into M and freed, and the backward pass makes it again
-    from t. Only t, S and M are saved.
-
-    (R) A direct product of 128 factors under- or overflows, so M = sign-parity *
-    exp(sum_d log|phi_d|); the parity is the sign of each chunk's plain product, which IEEE
-    floats keep exactly even where it under- or overflows to +-0 or +-inf.
-
-    Backward: dM/dphi_d = M / phi_d, so dL/dphi_d = q_d = (dL/dM * M) / phi_d, and
-    dL/dS_l[d, m] = sum_n B_m(t_d) q_d,  dL/dt_d = sum_m dB_m/dt_d <q_d, S_l[d, m]>: two
-    matmuls with the chunk's dense basis, the fastest way on CPU (with TF32 on, these
-    gradients round like the rest of the backward; phi and M never go through a matmul)."""
-
-    @staticmethod
-    def forward(ctx, t, spline):
-        log_abs, negative = 0.0, False
-        for d in seed_chunks(t, spline.shape[-1]):
-            phi = spline_features(t[d], spline[:, d])[0]
-            negative = negative ^ phi.prod(0).signbit()
-            log_abs = log_abs + phi.abs_().log_().sum(0)
-        modes = log_abs.exp_()
-        modes = torch.where(negative, -modes, modes)
-        ctx.save_for_backward(t, spline, modes)
-        return modes
-
-    @staticmethod
-    def backward(ctx, grad_modes):
-        t, spline, modes = ctx.saved_tensors
-        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
-        grad_times_modes = grad_modes * modes  # dL/dM * M, the same for every d
-        for d in seed_chunks(t, spline.shape[-1]):
-            chunk = spline[:, d].transpose(0, 1)  # [d, h, kappa, r]
-            phi, index, values, slopes = spline_features(t[d], spline[:, d])
-            q = torch.div(grad_times_modes, phi, out=phi)  # dL/dphi_d, in place of phi
-            basis = q.new_zeros(*index.shape[:-1], chunk.shape[2]).scatter_add_(-1, index, values)
-            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
-            q_dot_rows = q @ chunk.transpose(-1, -2)  # <q_d, S_l[d, m]> for every knot m
-            grad_t[d] = (q_dot_rows.gather(-1, index) * slopes).sum(-1)
-        return grad_t, grad_spline
-
-
-@torch.compiler.disable
-def separable_modes(t, spline):
-    """SeparableProduct kept out of torch.compile: traced, its backward's rebuilt phi
-    would be merged with the forward's, and phi saved after all."""
-    return SeparableProduct.apply(t, spline)
 
 
 # -----------------------------------------------------------------------------

@@ -190,6 +190,21 @@ def test_separable_product_gradient(monkeypatch):
     assert torch.autograd.gradcheck(SeparableProduct.apply, (t, spline))
 
 
+@pytest.mark.parametrize("first, then", [(1e30, 1e-30), (1e-30, 1e30)])
+def test_chunk_product_is_exact_where_a_plain_float32_product_is_not(first, then):
+    """Six factors of 1e30 then six of 1e-30 (or the reverse) overflow (underflow) a plain float32
+    product on the way, although the whole product is near 1: times_chunk_product must notice
+    and multiply one coordinate at a time. Factors near 1 take the one-product path."""
+    near_one = 1 + 0.3 * torch.randn(12, 2, 5, 4, generator=torch.Generator().manual_seed(0))
+    wild = near_one * torch.tensor([first] * 6 + [then] * 6).view(12, 1, 1, 1)
+    assert not torch.isfinite(wild.prod(0)).all() or (wild.prod(0) == 0).all()  # the plain product fails
+    for phi in (near_one, wild):
+        mantissa, exponent = leviathan.times_chunk_product(torch.ones(2, 5, 4), torch.zeros(2, 5, 4, dtype=torch.int32), phi)
+        assert ((mantissa.abs() >= 0.5) & (mantissa.abs() < 1)).all()
+        expected = phi.double().prod(0)
+        torch.testing.assert_close(torch.ldexp(mantissa.double(), exponent), expected, rtol=1e-6, atol=0)
+
+
 def test_compiled_generator_keeps_the_product_eager():
     """Under torch.compile the product stays one opaque call, so no traced backward can
     swap its recomputation of phi for a saved copy."""
