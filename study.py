@@ -58,7 +58,8 @@ PLANS = {
     "final": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
     # Regime (b): a 32,768-id vocabulary, so that rare targets exist. 31.9 MFLOP per token
     # against 13.0 at 8,192 ids (leviathan.Model.flops_per_token): ~2.5x slower.
-    "vocab32k": dict(data="data/demo32k-final", steps=FULL_STEPS // 3, seeds=SEEDS[:1], options=[], runs="best"),
+    # The second seed was added (session 3) before tied or untied had run at 32,768 ids.
+    "vocab32k": dict(data="data/demo32k-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
     # Regime (a): toward the paper's ~20 tokens per parameter with a smaller model (tied 0.66M
     # parameters, lev 1.0M, untied 1.18M) on 12.3M tokens (19 / 12 / 10 tokens per parameter),
     # ~3.5 passes over the demo corpus.
