@@ -89,10 +89,13 @@ def times_chunk_product(mantissa, exponent, phi):
     exponent, so M never under- or overflows however many factors it has. The chunk's own
     product is used when it is exact, which holds if every |phi_d| <= 2^k and the product
     >= 2^(kc - 126): then every partial product is a normal float32. Otherwise (rare), one
-    coordinate at a time."""
-    low, high = phi.aminmax()
-    product, k = phi.prod(0), 62 // len(phi)
-    exact = max(-low, high) <= 2.0**k and product.abs().amin() >= 2.0 ** (k * len(phi) - 126)
+    coordinate at a time. A chunk of one coordinate needs no check (nor, on a GPU, the wait
+    for one): that is the one-at-a-time case already."""
+    product, exact = phi.prod(0), True
+    if len(phi) > 1:
+        low, high = phi.aminmax()
+        k = 62 // len(phi)
+        exact = max(-low, high) <= 2.0**k and product.abs().amin() >= 2.0 ** (k * len(phi) - 126)
     for factor in [product] if exact else phi.unbind(0):
         mantissa, scale = torch.frexp(mantissa * factor)
         exponent = exponent + scale
@@ -117,7 +120,7 @@ class SeparableProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, spline):
-        seed_dim, heads, n = t.shape
+        _, heads, n = t.shape
         mantissa = t.new_ones(heads, n, spline.shape[-1])
         exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
         for d in seed_chunks(t, spline.shape[-1]):

@@ -151,7 +151,7 @@ def random_lev(seed, **sizes):
     return lev
 
 
-@pytest.mark.parametrize("per_chunk", [20, 3])  # d_seed = 20: one chunk; 7 chunks, the last of 2
+@pytest.mark.parametrize("per_chunk", [20, 3, 1])  # d_seed = 20: one chunk; 7, the last of 2; 20 of one
 def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_chunk):
     """generate() against generate_reference() in float32 on random parameters, with ids
     whose t_d reach both end knots and products with negative factors."""
