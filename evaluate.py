@@ -181,16 +181,17 @@ def compare(out_dirs):
 
 
 def parse_args(argv):
-    p = ArgumentParser("evaluate.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
-    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
-    p.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
-    p.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
-    p.add_argument("--batch_size", type=int, default=16,
-                   help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
-    args = p.parse_args(argv)
+    parser = ArgumentParser("evaluate.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
+    parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
+    parser.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
+    args = parser.parse_args(argv)
     if (args.out_dir is None) == (args.compare is None):
         raise UserError("pass --out_dir=RUN to evaluate, or --compare RUN RUN... to compare")
     if args.compare is not None and len(args.compare) < 2:

@@ -245,20 +245,21 @@ class ProgressMeter:
 # ---------------------------------------------------------------------------- driver
 
 def _parse_args(argv):
-    p = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
-    p.add_argument("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
-    p.add_argument("--val_fraction", type=float, help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
-    p.add_argument("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
-    p.add_argument("--max_tokens", type=int, help="stop the train split after this many tokens")
-    p.add_argument("--shard_tokens", type=int, default=100_000_000,
-                   help="tokens per shard (the last of a split: the rest)")
-    p.add_argument("--tokenizer", default="o200k_base", help="tiktoken encoding name")
-    p.add_argument("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    p.add_argument("--name", help="output folder name under data/ (default: from --dataset)")
-    p.add_argument("--out_dir", help="output folder (default: data/NAME)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
-    args = p.parse_args(argv)
+    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
+    parser.add_argument("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
+    parser.add_argument("--val_fraction", type=float,
+                        help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
+    parser.add_argument("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
+    parser.add_argument("--max_tokens", type=int, help="stop the train split after this many tokens")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000,
+                        help="tokens per shard (the last of a split: the rest)")
+    parser.add_argument("--tokenizer", default="o200k_base", help="tiktoken encoding name")
+    parser.add_argument("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
+    parser.add_argument("--name", help="output folder name under data/ (default: from --dataset)")
+    parser.add_argument("--out_dir", help="output folder (default: data/NAME)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
+    args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if not 0 < args.val_fraction <= 0.5 and not args.val:

@@ -47,22 +47,23 @@ class TextStream:
 
 
 def parse_args(argv):
-    p = ArgumentParser("sample.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out_dir", required=True, help="run folder holding ckpt.pt")
-    p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
-    p.add_argument("--prompt_file", help="read the prompt from this UTF-8 file (one final newline is dropped)")
-    p.add_argument("--num_samples", type=int, default=1, help="samples from the same prompt")
-    p.add_argument("--max_new_tokens", type=int, default=256, help="tokens per sample at most")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=200, help="0 = off")
-    p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
-    p.add_argument("--seed", type=int, default=1337, help="seed of the sampling generator")
-    p.add_argument("--stop_at_eot", type=parse_bool, nargs="?", const=True, default=True,
-                   help="stop a sample at end-of-text (default true)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--compile", type=parse_bool, nargs="?", const=True, default=False,
-                   help="torch.compile LEV (before freezing it) and the forward pass")
-    args = p.parse_args(argv)
+    parser = ArgumentParser("sample.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out_dir", required=True, help="run folder holding ckpt.pt")
+    parser.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
+    parser.add_argument("--prompt_file", help="read the prompt from this UTF-8 file (one final newline is dropped)")
+    parser.add_argument("--num_samples", type=int, default=1, help="samples from the same prompt")
+    parser.add_argument("--max_new_tokens", type=int, default=256, help="tokens per sample at most")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=200, help="0 = off")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling generator")
+    parser.add_argument("--stop_at_eot", type=parse_bool, nargs="?", const=True, default=True,
+                        help="stop a sample at end-of-text (default true)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--compile", type=parse_bool, nargs="?", const=True, default=False,
+                        help="torch.compile LEV (before freezing it) and the forward pass")
+    args = parser.parse_args(argv)
     if not args.temperature >= 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
