@@ -8,12 +8,11 @@ Ratios are what to compare: each is measured within one run, the arms interleave
 step by step so that a machine slowing down affects all of them alike.
 """
 import argparse
-import contextlib
-import io
 import itertools
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -22,13 +21,10 @@ import threading
 import time
 
 import torch
-
 import torch.nn.functional as F
 
+from common import SIZE_DEFAULTS, ArgumentParser, UserError, demo_documents, generate, get_tokenizer, run_main
 from leviathan import EMBEDDINGS, LEV, Config, LinearCrossEntropy, Model, padded_vocab
-import prepare_data
-from prepare_data import demo_documents, get_tokenizer
-from sample import generate
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -99,9 +95,7 @@ def bench_arms(title, cfg, batch, device, compile_model, repeats):
         optimizers[embedding] = model.configure_optimizers(lr=1e-4, weight_decay=0.1,
                                                            fused=device.type == "cuda")
         if compile_model:
-            if embedding == "lev":
-                model.lev.compile_generator()
-            model = torch.compile(model)
+            model.compile()
         models[embedding] = model
         train_step(model, optimizers[embedding], batch, device)  # warm-up (and compile)
     times = {e: [] for e in EMBEDDINGS}
@@ -191,24 +185,26 @@ def bench_lev_alone(cfg, ids, device, repeats):
 
 
 def bench_data(args, device):
-    """prepare_data.py end to end (read, tokenize on all cores, write shards) against tiktoken's
-    own batched encoding of the same documents on the same cores."""
-    tokenizer = get_tokenizer("o200k_base", vocab_size=8192)  # built once, as prepare() reuses it
+    """prepare_data.py (read, tokenize on all cores, write shards) against tiktoken's own batched
+    encoding of the same documents on the same cores. prepare_data.py runs as a command and
+    reports each split's tokens/s, which leave out its start-up (imports, tokenizer)."""
+    tokenizer = get_tokenizer("o200k_base", vocab_size=8192)
     docs = list(demo_documents())
     rates = {"tiktoken": [], "prepare_data": []}
     for _ in range(args.repeats):  # interleaved, like the model benchmark
         start = time.perf_counter()
         encoded = tokenizer.enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())
         rates["tiktoken"].append((sum(map(len, encoded)) + len(docs)) / (time.perf_counter() - start))
-        with tempfile.TemporaryDirectory() as out_dir, contextlib.redirect_stdout(io.StringIO()):
-            start = time.perf_counter()
-            meta = prepare_data.prepare(["--dataset=demo", f"--out_dir={out_dir}"])
-            elapsed = time.perf_counter() - start
-        tokens = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
-        rates["prepare_data"].append(tokens / elapsed)
+        with tempfile.TemporaryDirectory() as out_dir:
+            result = subprocess.run([sys.executable, "prepare_data.py", "--dataset=demo", f"--out_dir={out_dir}"],
+                                    check=True, capture_output=True, text=True)
+        splits = [(int(tokens.replace(",", "")), int(rate.replace(",", ""))) for tokens, rate in
+                  re.findall(r"^\w+: [\d,]+ documents, ([\d,]+) tokens, ([\d,]+) tokens/s$", result.stdout, re.M)]
+        tokens = sum(n for n, _ in splits)
+        rates["prepare_data"].append(tokens / sum(n / rate for n, rate in splits))
     tiktoken_rate, our_rate = (statistics.median(r) for r in rates.values())
     print(f"\ntokenization, demo corpus ({tokens:,} tokens, {os.cpu_count()} cores), median of {args.repeats}")
-    print(f"tiktoken encode_ordinary_batch {tiktoken_rate:,.0f} tokens/s; prepare_data.py end to end "
+    print(f"tiktoken encode_ordinary_batch {tiktoken_rate:,.0f} tokens/s; prepare_data.py "
           f"{our_rate:,.0f} tokens/s; ratio {our_rate / tiktoken_rate:.2f} (target >= 0.80)")
 
 
@@ -245,7 +241,7 @@ def bench_train(args, device):
     """The real training loop (train.py on the demo corpus, tiny preset): tokens/s of each arm,
     runs interleaved. Needs `python prepare_data.py --dataset=demo` first."""
     rates, steps = {e: [] for e in EMBEDDINGS}, 60
-    tiny_batch_tokens = 16 * 256  # train.py's tiny default: 16 sequences of 256
+    tiny_batch_tokens = SIZE_DEFAULTS["tiny"]["batch_tokens"]
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, embedding in itertools.product(range(args.repeats), EMBEDDINGS):
             out_dir = os.path.join(tmp, f"{embedding}{repeat}")
@@ -326,7 +322,7 @@ def bench_gpu(args, device):
     size's defaults) for 20 steps at 200m and 1.2b on the demo corpus with the full o200k vocabulary,
     stopped at step 10 and resumed; with 2+ GPUs, DDP against one GPU's accumulation."""
     if device.type != "cuda":
-        sys.exit("error: `python bench.py gpu` needs a CUDA GPU (this machine has none); the other sections run on CPU")
+        raise UserError("`python bench.py gpu` needs a CUDA GPU (this machine has none); the other sections run on CPU")
     data = os.path.join("data", "demo-o200k")
     if not os.path.exists(os.path.join(data, "meta.json")):
         subprocess.run([sys.executable, "prepare_data.py", "--dataset=demo", "--vocab_size=0", f"--out_dir={data}"],
@@ -364,16 +360,13 @@ SECTIONS = {"model": bench_model, "loss": bench_loss, "data": bench_data, "train
             "gpu": bench_gpu}
 
 
-def main():
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one `error:` line instead of usage text
-            sys.exit(f"error: {message} (see python bench.py --help)")
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench(argv):
+    parser = ArgumentParser("bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all but gpu)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=5, help="each figure is the median of this many runs")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    args = parser.parse_args(argv)
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
@@ -387,4 +380,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(bench, sys.argv[1:]))

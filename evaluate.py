@@ -23,12 +23,11 @@ How our model answers lm-eval (the LeviathanLM adapter below):
 - Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
   softmax: the tokenizer cannot produce them, so they must not take probability mass.
 """
-import argparse, json, os, sys
+import json, os, sys
 
 import torch
 
-from prepare_data import print_error, write_json
-from sample import SampleError, load_checkpoint, ready
+from common import ArgumentParser, UserError, check_device, load_model, run_main, write_json
 
 try:
     import lm_eval
@@ -40,10 +39,6 @@ except ImportError:  # main() says how to install it; the adapter's arithmetic n
 INSTALL = 'pip install "lm-eval>=0.4.10,<0.5"'  # 0.4.10 and 0.4.13 tested; 0.4.10 dropped transformers
 DEFAULT_TASKS = ["lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande"]
 RESULTS_FILE = "downstream.json"
-
-
-class EvaluateError(ValueError):
-    """Bad input or settings; the command line reports it as one `error:` line."""
 
 
 # ---------------------------------------------------------------------------- the adapter
@@ -93,8 +88,8 @@ class LeviathanLM(LM):
 
     def generate_until(self, requests):
         tasks = sorted({str(request.task_name) for request in requests})
-        raise EvaluateError(f"{', '.join(tasks)} needs generated text, which this adapter does not "
-                            "produce; choose tasks scored by log-likelihood (multiple choice, perplexity)")
+        raise UserError(f"{', '.join(tasks)} needs generated text, which this adapter does not "
+                        "produce; choose tasks scored by log-likelihood (multiple choice, perplexity)")
 
     def _score(self, windows_per_request):
         """Sum the log-probs of every request's windows; greedy if every scored id was the argmax."""
@@ -159,9 +154,9 @@ def read_results(out_dir):
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise EvaluateError(f"no {path}; run python evaluate.py --out_dir={out_dir} first")
+        raise UserError(f"no {path}; run python evaluate.py --out_dir={out_dir} first")
     except (OSError, ValueError) as e:
-        raise EvaluateError(f"cannot read {path}: {e}")
+        raise UserError(f"cannot read {path}: {e}")
 
 
 def compare(out_dirs):
@@ -178,7 +173,7 @@ def compare(out_dirs):
             relative = [f"{(value - v) / v:+.1%}" if v else "-" for v, _ in others]
             rows.append([task, metric, *values, *relative])
     if not rows:
-        raise EvaluateError(f"{', '.join(out_dirs)} have no task and metric in common")
+        raise UserError(f"{', '.join(out_dirs)} have no task and metric in common")
     print_table(header, rows)
 
 
@@ -186,55 +181,50 @@ def compare(out_dirs):
 
 
 def parse_args(argv):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one `error:` line instead of usage text
-            raise EvaluateError(f"{message} (see python evaluate.py --help)")
-    p = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
-    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
-    p.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
-    p.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
-    p.add_argument("--batch_size", type=int, default=16,
-                   help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
-    args = p.parse_args(argv)
+    parser = ArgumentParser("evaluate.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
+    parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
+    parser.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
+    args = parser.parse_args(argv)
     if (args.out_dir is None) == (args.compare is None):
-        raise EvaluateError("pass --out_dir=RUN to evaluate, or --compare RUN RUN... to compare")
+        raise UserError("pass --out_dir=RUN to evaluate, or --compare RUN RUN... to compare")
     if args.compare is not None and len(args.compare) < 2:
-        raise EvaluateError("--compare needs at least two run folders")
+        raise UserError("--compare needs at least two run folders")
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        raise EvaluateError("--limit and --batch_size must be at least 1")
+        raise UserError("--limit and --batch_size must be at least 1")
     return args
 
 
 def evaluate(args):
     if lm_eval is None:
-        raise EvaluateError(f"evaluate.py needs EleutherAI's lm-evaluation-harness: {INSTALL}")
-    try:
-        torch.empty(1, device=args.device)
-    except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
-        raise EvaluateError(f"device {args.device!r} is not usable here ({str(e).splitlines()[0]}); "
-                            "try --device=cpu")
+        raise UserError(f"evaluate.py needs EleutherAI's lm-evaluation-harness: {INSTALL}")
+    check_device(args.device)
     if args.include_path and not os.path.isdir(args.include_path):
-        raise EvaluateError(f"--include_path {args.include_path} is not a folder")
-    model, tokenizer, step = load_checkpoint(args.out_dir, args.device)
-    task_manager = TaskManager(include_path=args.include_path)  # indexes every task: ~10 s
+        raise UserError(f"--include_path {args.include_path} is not a folder")
+    model, tokenizer, step = load_model(args.out_dir, args.device)
+    task_manager = TaskManager(include_path=args.include_path)  # indexes every task: the slow part of start-up
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in task_manager.all_tasks]
     if unknown or not tasks:
-        raise EvaluateError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
-                            f"{len(task_manager.all_tasks)} (lm-eval ls tasks lists them); "
-                            "your own YAML tasks need --include_path")
-    adapter = LeviathanLM(ready(model), tokenizer, args.batch_size)  # ready: LEV frozen into a table
+        raise UserError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
+                        f"{len(task_manager.all_tasks)} (lm-eval ls tasks lists them); "
+                        "your own YAML tasks need --include_path")
+    model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
+    adapter = LeviathanLM(model, tokenizer, args.batch_size)
     try:
         output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=task_manager,
                                          limit=args.limit, log_samples=False)
     except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
-        raise EvaluateError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
-                            "from the Hugging Face Hub the first time, then reads its cache")
+        raise UserError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
+                        "from the Hugging Face Hub the first time, then reads its cache")
     except torch.cuda.OutOfMemoryError:
-        raise EvaluateError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
+        raise UserError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
     rows = result_rows(output["results"])
     print_table(["task", "metric", "value", "stderr"], [(t, m, number(v), number(s)) for t, m, v, s in rows])
     # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs.
@@ -248,20 +238,16 @@ def evaluate(args):
     print(f"# written to {path}", file=sys.stderr)
 
 
+def evaluate_or_compare(argv):
+    args = parse_args(argv)
+    if args.compare:
+        compare(args.compare)
+    else:
+        evaluate(args)
+
+
 def main(argv=None):
-    try:
-        args = parse_args(argv)
-        if args.compare:
-            compare(args.compare)
-        else:
-            evaluate(args)
-    except (EvaluateError, SampleError) as e:
-        print_error(e)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_main(evaluate_or_compare, argv)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 by LEV, a tiny continuous generator from token id to vector, with an untied head.
 
 Paper: Batley & Saha, "Leviathan: Decoupling Input and Output Representations in
-Language Models", arXiv 2601.22040. The authors released no code; this file follows
-the method as written up in shared/leviathan-spec.md. Details marked (R) there are
-reconstructions; each is flagged (R) below where the choice is made.
+Language Models", arXiv 2601.22040. The authors released no code. The README's method
+section sets out the method this file follows and lists the details the paper leaves
+open, which we reconstructed; each is flagged (R) below where the choice is made.
 
-Read top to bottom: LEV (spec steps 1-4), the backbone, the three arms, the sizes.
+Read top to bottom: LEV (steps 1-4), the backbone, the three arms, the sizes.
 """
 import math
 from dataclasses import dataclass, replace
@@ -564,6 +564,13 @@ class Model(nn.Module):
         p = self.head.weight
         return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len,
                        self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
+
+    def compile(self, dynamic=None, **options):
+        """torch.compile in place (state_dict keys unchanged). LEV's generator is compiled on
+        its own, for any number of ids; its torch.unique stays outside the model's graph."""
+        if self.cfg.embedding == "lev":
+            self.lev.compile_generator(**options)
+        super().compile(dynamic=dynamic, **options)
 
     @torch.no_grad()
     def freeze_lev(self):

