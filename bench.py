@@ -162,7 +162,7 @@ def lev_peak_bytes(cfg, ids, reference, device_name):
 
 
 def bench_lev_alone(cfg, ids, device, repeats):
-    """LEV by itself at the paper's hyper-parameters: generate() against generate_reference(), the spec
+    """LEV by itself at the paper's hyper-parameters: generate() against generate_reference(), the method
     written out (dense basis, plain matmul, all of phi kept for the backward), interleaved."""
     torch.manual_seed(0)
     lev = LEV(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
@@ -180,7 +180,7 @@ def bench_lev_alone(cfg, ids, device, repeats):
           f"(h={cfg.lev_heads} d_seed={cfg.lev_seed_dim} kappa={cfg.lev_knots} r={cfg.lev_rank} D={cfg.d_model}), "
           f"{device.type}, median of {repeats}; peak memory from a fresh process")
     print(f"{'path':<30}{'ms':>9}{'peak MB':>10}")
-    for reference, label in ((True, "generate_reference (the spec)"), (False, "generate (fast)")):
+    for reference, label in ((True, "generate_reference (written out)"), (False, "generate (fast)")):
         print(f"{label:<30}{statistics.median(times[reference][1:]) * 1e3:>9.1f}{peaks[reference] / 2**20:>10.0f}")
 
 

@@ -154,7 +154,7 @@ def separable_modes(t, spline):
 
 
 class LEV(nn.Module):
-    """Learned embedding vectorization (spec steps 1-4).
+    """Learned embedding vectorization (steps 1-4 of the README's method).
 
     i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
       -> per head l: t = sigmoid(LayerNorm_l(W_l z)), phi_d = sum_m B_m(t_d) S_l[d, m]
@@ -209,7 +209,7 @@ class LEV(nn.Module):
             return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: sum_l W_out_l M_l
 
     def generate_reference(self, ids):
-        """generate() written straight from the spec, to read and to test against: B_m(t) on
+        """generate() written straight from the method's equations, to read and to test against: B_m(t) on
         every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|) directly, all of
         B and phi ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry."""
         digits = to_digits(ids, self.base, self.digits)  # 1
@@ -239,7 +239,7 @@ class LEV(nn.Module):
     def compile_generator(self, **compile_options):
         """torch.compile the generator for any number of ids (dynamic=True: one graph
         whatever N is). It fuses the small steps around separable_modes, which stays
-        eager (see there); train.py calls this when compiling."""
+        eager (see there); Model.compile calls this."""
         self.generate = torch.compile(self.generate, dynamic=True, **compile_options)
 
     @torch.no_grad()
