@@ -4,7 +4,7 @@ untied baselines once every arm has its own learning rates?
     python prepare_data.py --dataset=demo                                  # data/demo (8,192 ids)
     python prepare_data.py --dataset=demo --vocab_size=32768 --name=demo32k
     python study.py prepare                   # data/<name>-tune and data/<name>-final (val cut in two)
-    python study.py sweep tune final vocab32k long [--deadline=HH:MM]
+    python study.py sweep tune final vocab32k long edges [--deadline=HH:MM]
     python study.py table                     # every run, the seed summary, the frequency buckets
     python study.py plot                      # figures/*.png (needs `pip install matplotlib`)
 
@@ -53,6 +53,12 @@ PLANS = {
     "tune": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
         grid("tied", [3e-3, 6e-3], [(1.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 10.0), (1.0, 30.0)])
         + grid("lev", [3e-3], [(0.1, 10.0), (0.3, 10.0)]))),
+    # Added in session 3, after the final runs: one step past each edge of the grid above (and
+    # the tied table at the untied head's kind of rate), to see whether an optimum lies beyond it.
+    # Reported beside `tune`; the final runs keep the settings chosen there.
+    "edges": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
+        grid("tied", [3e-3], [(10.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 100.0)])
+        + grid("lev", [3e-3], [(1.0, 10.0), (0.3, 30.0)]))),
     # Regime 0: today's tiny preset and 8,192-id vocabulary, two seeds.
     "final": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
     # Regime (b): a 32,768-id vocabulary, so that rare targets exist. 31.9 MFLOP per token
@@ -65,6 +71,7 @@ PLANS = {
     "long": dict(data="data/demo-final", steps=3000, seeds=SEEDS[:1],
                  options=["--d_model=64", "--n_layer=2", "--n_head=2"], runs="best"),
 }
+TUNING_PLANS = ("tune", "edges")  # scored on the tuning half: only their last step, no buckets or plots
 
 
 class StudyError(Exception):
@@ -147,7 +154,7 @@ def planned_runs(plan_name):
     for seed in plan["seeds"]:  # all arms at one seed before the next: a cut-short sweep stays comparable
         for run in runs:
             out_dir = os.path.join(STUDY_DIR, plan_name, run_name(run, seed))
-            evaluations = 1 if plan_name == "tune" else 4  # the curves need points; tuning only the end
+            evaluations = 1 if plan_name in TUNING_PLANS else 4  # the curves need points; tuning only the end
             args = [f"--embedding={run['arm']}", f"--data_dir={plan['data']}", f"--out_dir={out_dir}",
                     f"--lr={run['lr']}", f"--lr_input={run['lr_input']}", f"--seed={seed}",
                     f"--total_tokens={plan['steps'] * BATCH_TOKENS}", f"--eval_interval={plan['steps'] // evaluations}",
@@ -243,7 +250,7 @@ def table(root=STUDY_DIR):
         print(f"| {plan} | {arm} | {', '.join(lrs)} | {len(evs)} | {statistics.mean(e['val_loss'] for e in evs):.4f} | "
               f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)}) | "
               + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
-    for plan in sorted({key[0] for key in groups} - {"tune"}):
+    for plan in sorted({key[0] for key in groups} - set(TUNING_PLANS)):
         bucket_table(plan, {key[1]: evs for key, evs in groups.items() if key[0] == plan})
 
 
@@ -320,7 +327,7 @@ def plot(root=STUDY_DIR):
         raise StudyError("plot needs matplotlib: pip install matplotlib") from None
     os.makedirs(FIGURES_DIR, exist_ok=True)
     finished = [(plan, config, ev, speed) for plan, config, ev, speed in load_runs(root)
-                if plan != "tune" and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
+                if plan not in TUNING_PLANS and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
     for plan in sorted({r[0] for r in finished}):
         runs = [r for r in finished if r[0] == plan]
         plot_losses(plt, plan, runs, root)
