@@ -1674,7 +1674,7 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "expected one of prepare, sweep, table, plot"),
-    (["sweep"], "sweep needs plans among tune, final, vocab32k, long; got none"),
+    (["sweep"], f"sweep needs plans among {', '.join(study.PLANS)}; got none"),
     (["sweep", "tune", "nope"], "got nope"),
     (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
     (["table", "--all"], "table takes no options"),
@@ -1687,7 +1687,7 @@ def test_study_bad_input_is_a_study_error(argv, message):
 def test_study_bad_input_gives_one_error_line(capsys):
     assert study.cli(["sweep", "nope"]) == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == ["error: sweep needs plans among tune, final, vocab32k, long; got nope"]
+    assert out == "" and err.splitlines() == [f"error: sweep needs plans among {', '.join(study.PLANS)}; got nope"]
 
 
 def test_study_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):
