@@ -57,8 +57,10 @@ PLANS = {
     # the tied table at the untied head's kind of rate), to see whether an optimum lies beyond it.
     # Reported beside `tune`; the final runs keep the settings chosen there.
     "edges": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
-        grid("tied", [3e-3], [(10.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 100.0)])
+        grid("tied", [3e-3], [(10.0, 1.0), (30.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 100.0)])
         + grid("lev", [3e-3], [(1.0, 10.0), (0.3, 30.0)]))),
+    # Regime 0 again, for each arm whose best setting moved with `edges` (session 3).
+    "retuned": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="retuned"),
     # Regime 0: today's tiny preset and 8,192-id vocabulary, two seeds.
     "final": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
     # Regime (b): a 32,768-id vocabulary, so that rare targets exist. 31.9 MFLOP per token
@@ -135,21 +137,31 @@ def final_eval(out_dir):
         return json.load(f)
 
 
-def best_settings(arm):
-    """The tuning run of `arm` with the lowest validation loss (the protocol's only choice)."""
-    plan = PLANS["tune"]
-    done = [(final_eval(os.path.join(STUDY_DIR, "tune", run_name(r, plan["seeds"][0]))), r)
-            for r in plan["runs"] if r["arm"] == arm]
-    done = [(e["val_loss"], r) for e, r in done if e and e["step"] == plan["steps"]]
-    if len(done) < sum(r["arm"] == arm for r in plan["runs"]):
-        raise StudyError(f"the tuning runs of {arm} are not all finished: run `python study.py sweep tune` first")
+def best_settings(arm, plan_names=("tune",)):
+    """The tuning run of `arm` with the lowest validation loss over the given tuning plans (the
+    protocol's only choice)."""
+    done = []
+    for plan_name in plan_names:
+        plan = PLANS[plan_name]
+        runs = [r for r in plan["runs"] if r["arm"] == arm]
+        evals = [final_eval(os.path.join(STUDY_DIR, plan_name, run_name(r, plan["seeds"][0]))) for r in runs]
+        if not all(e and e["step"] == plan["steps"] for e in evals):
+            raise StudyError(f"the {plan_name} runs of {arm} are not all finished: run `python study.py sweep {plan_name}` first")
+        done += [(e["val_loss"], r) for e, r in zip(evals, runs)]
     return min(done, key=lambda pair: pair[0])[1]
+
+
+def retuned_runs():
+    """The arms whose best setting moved once the `edges` runs joined the choice."""
+    return [best_settings(arm, TUNING_PLANS) for arm in ARMS
+            if best_settings(arm, TUNING_PLANS) != best_settings(arm)]
 
 
 def planned_runs(plan_name):
     """(out_dir, train.py arguments) of every run of the plan, in order."""
     plan = PLANS[plan_name]
-    runs = [best_settings(arm) for arm in ARMS] if plan["runs"] == "best" else plan["runs"]
+    runs = ([best_settings(arm) for arm in ARMS] if plan["runs"] == "best"
+            else retuned_runs() if plan["runs"] == "retuned" else plan["runs"])
     out = []
     for seed in plan["seeds"]:  # all arms at one seed before the next: a cut-short sweep stays comparable
         for run in runs:
