@@ -53,11 +53,12 @@ PLANS = {
     "tune": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
         grid("tied", [3e-3, 6e-3], [(1.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 10.0), (1.0, 30.0)])
         + grid("lev", [3e-3], [(0.1, 10.0), (0.3, 10.0)]))),
-    # Added in session 3, after the final runs: one step past each edge of the grid above (and
-    # the tied table at the untied head's kind of rate), to see whether an optimum lies beyond it.
-    # Reported beside `tune`; the final runs keep the settings chosen there.
+    # Added in session 3, after the final runs: one step past each edge of the grid above, and
+    # tied's table at the rates the untied head preferred (x10, then x30 and x100 as each won),
+    # to see whether an optimum lies beyond the grid. `final` keeps the settings chosen on `tune`;
+    # `retuned` reruns the arms whose choice moved.
     "edges": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
-        grid("tied", [3e-3], [(10.0, 1.0), (30.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 100.0)])
+        grid("tied", [3e-3], [(10.0, 1.0), (30.0, 1.0), (100.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 100.0)])
         + grid("lev", [3e-3], [(1.0, 10.0), (0.3, 30.0)]))),
     # Regime 0 again, for each arm whose best setting moved with `edges` (session 3).
     "retuned": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="retuned"),
