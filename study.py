@@ -154,8 +154,8 @@ def best_settings(arm, plan_names=("tune",)):
 
 def retuned_runs():
     """The arms whose best setting moved once the `edges` runs joined the choice."""
-    return [best_settings(arm, TUNING_PLANS) for arm in ARMS
-            if best_settings(arm, TUNING_PLANS) != best_settings(arm)]
+    moved = [(best_settings(arm, TUNING_PLANS), best_settings(arm)) for arm in ARMS]
+    return [now for now, before in moved if now != before]
 
 
 def planned_runs(plan_name):
