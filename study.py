@@ -4,7 +4,7 @@ untied baselines once every arm has its own learning rates?
     python prepare_data.py --dataset=demo                                  # data/demo (8,192 ids)
     python prepare_data.py --dataset=demo --vocab_size=32768 --name=demo32k
     python study.py prepare                   # data/<name>-tune and data/<name>-final (val cut in two)
-    python study.py sweep tune final vocab32k long edges [--deadline=HH:MM]
+    python study.py sweep tune final vocab32k long edges retuned [--deadline=HH:MM]
     python study.py table                     # every run, the seed summary, the frequency buckets
     python study.py plot                      # figures/*.png (needs `pip install matplotlib`)
 
