@@ -151,9 +151,11 @@ def proc_status_bytes(field):
 
 def lev_peak_bytes(cfg, ids, reference, device_name):
     """Peak memory of lev_forward_backward above where it starts. Run in a fresh process: on
-    CPU, memory an earlier run freed but the process kept would hide part of the peak."""
+    CPU, memory an earlier run freed but the process kept would hide part of the peak. A
+    first call on a few ids compiles the fast path's kernels, whose memory is not LEV's."""
     device = torch.device(device_name)
     lev = lev_for(cfg, device)
+    lev_forward_backward(lev, ids[:64].to(device), reference)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()

@@ -58,75 +58,139 @@ def bspline_nonzero(t, knots):
     return tuple(x.movedim(0, -1).contiguous() for x in (index, values, slopes))
 
 
-# phi is made for a chunk of seed coordinates at a time, at most this many floats (16 MB, or
-# one coordinate if that is more): few ops in the loop, and each chunk stays in cache.
-CHUNK_FLOATS = 1 << 22
+# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (4 MB, or
+# one group of coordinates if that is more): memory stays bounded, and the backward's q_d
+# (below) is still in cache when the matmul reads it.
+CHUNK_FLOATS = 1 << 20
 
 
-def seed_chunks(t, rank):
+def seed_chunks(t, rank, multiple=1):
+    """Slices of the seed coordinates d, each a multiple of `multiple` long."""
     seed_dim, heads, n = t.shape
-    size = max(1, CHUNK_FLOATS // (heads * n * rank))
+    size = max(1, CHUNK_FLOATS // (heads * n * rank)) // multiple * multiple or multiple
     return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
 
 
-def spline_features(t, spline):
-    """Steps 3c-3d for a chunk of seed coordinates, t [d, h, N] and S [h, d, kappa, r]:
-    phi_d = sum_m B_m(t_d) S_l[d, m], [d, h, N, r], and the knots used. With 3 non-zero
-    B_m(t_d), phi_d is a weighted sum of 3 rows of S, which F.embedding_bag computes in one
-    pass of float32 multiply-adds: no dense basis, no matmul, so exact float32 on any device."""
-    heads, seed_dim, knots, rank = spline.shape
-    index, values, slopes = bspline_nonzero(t, knots)
-    first_row = torch.arange(0, heads * seed_dim * knots, knots, device=t.device).view(heads, seed_dim).t()
-    rows = index + first_row[:, :, None, None]  # the row of S_l[d, m] in S viewed as [h * d * kappa, r]
-    table = spline.detach().reshape(-1, rank)  # detached, or embedding_bag prepares its own backward
-    phi = F.embedding_bag(rows.view(-1, 3), table, per_sample_weights=values.view(-1, 3), mode="sum")
-    return phi.view(*t.shape, rank), index, values, slopes
+def knot_rows(spline, index):
+    """S_l[d, m] at the 3 knots m = index[..., j] of each (d, l, n): three [d, h, N, r] tensors.
+    Compiled, they are indirect loads inside the kernel and never written to memory."""
+    heads, seed_dim = spline.shape[:2]
+    d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
+    head = torch.arange(heads, device=index.device).view(1, -1, 1)
+    return [spline[head, d, index[..., j]] for j in range(3)]
 
 
-def times_chunk_product(mantissa, exponent, phi):
-    """(mantissa * 2^exponent) * prod_d phi_d over a chunk of c coordinates, returned as a new
-    (mantissa, exponent) with |mantissa| in [0.5, 1): frexp moves the scale into an integer
-    exponent, so M never under- or overflows however many factors it has. The chunk's own
-    product is used when it is exact, which holds if every |phi_d| <= 2^k and the product
-    >= 2^(kc - 126): then every partial product is a normal float32. Otherwise (rare), one
-    coordinate at a time. A chunk of one coordinate needs no check (nor, on a GPU, the wait
-    for one): that is the one-at-a-time case already."""
-    product, exact = phi.prod(0), True
-    if len(phi) > 1:
-        low, high = phi.aminmax()
-        k = 62 // len(phi)
-        exact = max(-low, high) <= 2.0**k and product.abs().amin() >= 2.0 ** (k * len(phi) - 126)
-    for factor in [product] if exact else phi.unbind(0):
-        mantissa, scale = torch.frexp(mantissa * factor)
-        exponent = exponent + scale
-    return mantissa, exponent
+def group_products(t, spline, group):
+    """Steps 3c-3d and part of 3e for t [d, h, N], S [h, d, kappa, r]: phi_d = sum_m B_m(t_d) S_l[d, m]
+    as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis, no matmul, so exact
+    float32 on any device), multiplied over groups of `group` consecutive coordinates:
+    [d / group, h, N, r]. Compiled (fused_group_products), phi lives in registers only."""
+    index, values, _ = bspline_nonzero(t, spline.shape[2])
+    phi = sum(row * values[..., j, None] for j, row in enumerate(knot_rows(spline, index)))
+    return phi.unflatten(0, (-1, group)).prod(1)
+
+
+def product_gradients(t, spline, grad_times_modes):
+    """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
+    q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
+    (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
+    basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
+    index, values, slopes = bspline_nonzero(t, spline.shape[2])
+    rows = knot_rows(spline, index)
+    phi = sum(row * values[..., j, None] for j, row in enumerate(rows))
+    phi_slope = sum(row * slopes[..., j, None] for j, row in enumerate(rows))
+    q = grad_times_modes / phi
+    knots = torch.arange(spline.shape[2], device=t.device)
+    basis = sum(values[..., j, None] * (index[..., j, None] == knots) for j in range(3))
+    return q, (q * phi_slope).sum(-1), basis
+
+
+class Fused:
+    """fn compiled by torch.compile into one kernel per call (inductor: C++ loops on a CPU,
+    Triton on a GPU), so that phi is computed in registers and never written to memory.
+    LEV needs this whether or not the model is compiled. Where compiling fails (no C++
+    compiler, an unsupported GPU), fn runs eagerly: the same result, slower."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # a real bug fails again below, eagerly
+                reason = str(error).split("\n")[0]
+                print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
+                self.compiled = None
+        return self.fn(*args)
+
+
+fused_group_products, fused_product_gradients = Fused(group_products), Fused(product_gradients)
+
+# Compiling costs seconds, once per process (and per shape family); a call with fewer phi
+# floats than this (a test-sized LEV) is fast eagerly, so it runs the functions as written.
+FUSE_MIN_FLOATS = 1 << 20
+
+
+def kernels_for(t, spline):
+    """(group_products, product_gradients) for this call: fused where it pays for compiling."""
+    if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS:
+        return fused_group_products, fused_product_gradients
+    return group_products, product_gradients
+
+
+def product_group(seed_dim):
+    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 8."""
+    return max(g for g in range(1, 9) if seed_dim % g == 0)
+
+
+def modes_from_groups(t, spline, group):
+    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): after each group
+    product, frexp moves the running product's scale into an integer exponent, so M never
+    under- or overflows however many factors it has. Also returns whether every group product
+    was exact: a product of g factors is, if every |phi_d| <= 2^k (k = floor(62 / g)) and the
+    product >= 2^(kg - 126), for then every partial product is a normal float32. |phi_d| <=
+    max |S| (phi_d is a convex mix of rows of S), so that bound is checked on S."""
+    _, heads, n = t.shape
+    mantissa = t.new_ones(heads, n, spline.shape[-1])
+    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
+    smallest, kernel = [], kernels_for(t, spline)[0]
+    for d in seed_chunks(t, spline.shape[-1], group):
+        products = kernel(t[d], spline[:, d], group)
+        smallest.append(products.abs().amin())
+        for product in products.unbind(0):
+            mantissa, scale = torch.frexp(mantissa * product)
+            exponent = exponent + scale
+    k = 62 // group
+    factors_small = spline.abs().amax() <= 2.0**k
+    products_large = torch.stack(smallest).amin() >= 2.0 ** (k * group - 126)
+    exact = group == 1 or bool(factors_small & products_large)  # one wait for a GPU, not one per chunk
+    return torch.ldexp(mantissa, exponent), exact
 
 
 class SeparableProduct(torch.autograd.Function):
     """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
 
-    phi, [d_seed, h, N, r], is LEV's one big tensor, so it is never held whole: each chunk of
-    coordinates d is made, multiplied into M and freed, and the backward pass makes it again
+    phi, [d_seed, h, N, r], is LEV's one big tensor, and it is never written: the fused forward
+    multiplies each phi_d into a group product as it is made, and the backward makes it again
     from t. Only t, S and M are saved.
 
     (R) A plain product of 128 factors can under- or overflow float32, so M is carried as
-    mantissa * 2^exponent (see times_chunk_product). That is the exact product, as
-    generate_reference's sign * exp(sum_d log|phi_d|) is, without a logarithm per factor.
+    mantissa * 2^exponent (see modes_from_groups), with groups of up to 8 factors multiplied
+    directly where that is provably exact and, if any is not (rare), one factor at a time.
+    That is the exact product, as generate_reference's sign * exp(sum_d log|phi_d|) is,
+    without a logarithm per factor. The check costs one wait for the GPU per call, which
+    torch.unique in LEV.forward already pays.
 
-    Backward: dM/dphi_d = M / phi_d, so dL/dphi_d = q_d = (dL/dM * M) / phi_d, and
-    dL/dS_l[d, m] = sum_n B_m(t_d) q_d,  dL/dt_d = sum_m dB_m/dt_d <q_d, S_l[d, m]>: two
-    matmuls with the chunk's dense basis, the fastest way on CPU (with TF32 on, these
-    gradients round like the rest of the backward; phi and M never go through a matmul)."""
+    Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
+    matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
+    backward; phi and M never go through a matmul)."""
 
     @staticmethod
     def forward(ctx, t, spline):
-        _, heads, n = t.shape
-        mantissa = t.new_ones(heads, n, spline.shape[-1])
-        exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-        for d in seed_chunks(t, spline.shape[-1]):
-            phi = spline_features(t[d], spline[:, d])[0]
-            mantissa, exponent = times_chunk_product(mantissa, exponent, phi)
-        modes = torch.ldexp(mantissa, exponent)
+        modes, exact = modes_from_groups(t, spline, product_group(len(t)))
+        if not exact:
+            modes, _ = modes_from_groups(t, spline, 1)
         ctx.save_for_backward(t, spline, modes)
         return modes
 
@@ -134,22 +198,19 @@ class SeparableProduct(torch.autograd.Function):
     def backward(ctx, grad_modes):
         t, spline, modes = ctx.saved_tensors
         grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
-        grad_times_modes = grad_modes * modes  # dL/dM * M, the same for every d
+        grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
+        kernel = kernels_for(t, spline)[1]
         for d in seed_chunks(t, spline.shape[-1]):
-            chunk = spline[:, d].transpose(0, 1)  # [d, h, kappa, r]
-            phi, index, values, slopes = spline_features(t[d], spline[:, d])
-            q = torch.div(grad_times_modes, phi, out=phi)  # dL/dphi_d, in place of phi
-            basis = q.new_zeros(*index.shape[:-1], chunk.shape[2]).scatter_add_(-1, index, values)
+            q, grad_t[d], basis = kernel(t[d], spline[:, d], grad_times_modes)
             grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
-            q_dot_rows = q @ chunk.transpose(-1, -2)  # <q_d, S_l[d, m]> for every knot m
-            grad_t[d] = (q_dot_rows.gather(-1, index) * slopes).sum(-1)
         return grad_t, grad_spline
 
 
 @torch.compiler.disable
 def separable_modes(t, spline):
-    """SeparableProduct kept out of torch.compile: traced, its backward's rebuilt phi
-    would be merged with the forward's, and phi saved after all."""
+    """SeparableProduct kept out of the model's torch.compile: traced, its backward's rebuilt
+    phi would be merged with the forward's, and phi saved after all. Its two kernels are
+    compiled on their own (Fused), each with no view of the other."""
     return SeparableProduct.apply(t, spline)
 
 

@@ -501,13 +501,15 @@ def random_lev(seed, **sizes):
     return lev
 
 
-@pytest.mark.parametrize("per_chunk", [20, 3, 1])  # d_seed = 20: one chunk; 7, the last of 2; 20 of one
-def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_chunk):
+@pytest.mark.parametrize("per_chunk, fused", [(20, True), (3, True), (1, True), (3, False)])
+def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_chunk, fused):
     """generate() against generate_reference() in float32 on random parameters, with ids
-    whose t_d reach both end knots and products with negative factors."""
+    whose t_d reach both end knots and products with negative factors. d_seed = 20: groups
+    of 5 factors; backward chunks of 20 coordinates, 3 (the last of 2) or 1."""
     ids = torch.cat([torch.arange(40), torch.randint(40, 8192, (200,), generator=torch.Generator().manual_seed(0))])
     ids = ids.unique()
     monkeypatch.setattr(leviathan, "CHUNK_FLOATS", per_chunk * 3 * len(ids) * 8)  # h = 3, r = 8
+    monkeypatch.setattr(leviathan, "FUSE_MIN_FLOATS", 0 if fused else 1 << 40)
     seen = {}
 
     def recording(t, spline):
@@ -541,18 +543,50 @@ def test_separable_product_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize("first, then", [(1e30, 1e-30), (1e-30, 1e30)])
-def test_chunk_product_is_exact_where_a_plain_float32_product_is_not(first, then):
+def test_product_is_exact_where_a_plain_float32_product_is_not(first, then):
     """Six factors of 1e30 then six of 1e-30 (or the reverse) overflow (underflow) a plain float32
-    product on the way, although the whole product is near 1: times_chunk_product must notice
-    and multiply one coordinate at a time. Factors near 1 take the one-product path."""
-    near_one = 1 + 0.3 * torch.randn(12, 2, 5, 4, generator=torch.Generator().manual_seed(0))
-    wild = near_one * torch.tensor([first] * 6 + [then] * 6).view(12, 1, 1, 1)
+    product on the way, although the whole product is near 1: the group products are not exact
+    here, and SeparableProduct must notice and multiply one factor at a time. Factors near 1
+    take the group path. S is constant along the knots, so phi_d = S_l[d, 0] whatever t is."""
+    near_one = 1 + 0.3 * torch.randn(12, 2, 4, generator=torch.Generator().manual_seed(0))  # [d, h, r]
+    wild = near_one * torch.tensor([first] * 6 + [then] * 6).view(12, 1, 1)
     assert not torch.isfinite(wild.prod(0)).all() or (wild.prod(0) == 0).all()  # the plain product fails
+    t = torch.rand(12, 2, 5)
     for phi in (near_one, wild):
-        mantissa, exponent = leviathan.times_chunk_product(torch.ones(2, 5, 4), torch.zeros(2, 5, 4, dtype=torch.int32), phi)
-        assert ((mantissa.abs() >= 0.5) & (mantissa.abs() < 1)).all()
-        expected = phi.double().prod(0)
-        torch.testing.assert_close(torch.ldexp(mantissa.double(), exponent), expected, rtol=1e-6, atol=0)
+        spline = phi.transpose(0, 1)[:, :, None, :].expand(2, 12, 6, 4).contiguous()  # [h, d, kappa, r]
+        modes = SeparableProduct.apply(t, spline)
+        expected = phi.double().prod(0)[:, None, :].expand(2, 5, 4)
+        torch.testing.assert_close(modes.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_fused_kernels_match_their_eager_functions():
+    """The compiled kernels (inductor here, Triton on a GPU) against the same functions run
+    eagerly, on random parameters with negative factors and t at both end knots."""
+    generator = torch.Generator().manual_seed(0)
+    t = torch.rand(16, 3, 50, generator=generator)
+    t[0, 0, :2] = torch.tensor([0.0, 1.0])
+    spline = 1 + 0.5 * torch.randn(3, 24, 10, 8, generator=generator)[:, 4:20]  # a strided view, as S[:, d] is
+    grad_times_modes = torch.randn(3, 50, 8, generator=generator)
+    for group in (8, 1):
+        eager = leviathan.group_products(t, spline, group)
+        assert (eager < 0).any()
+        torch.testing.assert_close(leviathan.fused_group_products(t, spline, group), eager, rtol=1e-5, atol=1e-6)
+    for fused, eager in zip(leviathan.fused_product_gradients(t, spline, grad_times_modes),
+                            leviathan.product_gradients(t, spline, grad_times_modes)):
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    assert leviathan.fused_group_products.compiled is not None  # compiled, not fallen back to eager
+
+
+def test_fused_kernel_falls_back_to_eager_when_compiling_fails(capsys):
+    def failing_compile(*args):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    kernel = leviathan.Fused(leviathan.group_products)
+    kernel.compiled = failing_compile
+    t, spline = torch.rand(8, 2, 5), torch.rand(2, 8, 6, 3)
+    assert torch.equal(kernel(t, spline, 4), leviathan.group_products(t, spline, 4))
+    assert kernel.compiled is None  # and it is not tried again
+    assert capsys.readouterr().out == "warning: LEV runs eagerly (slower); torch.compile failed: no C++ compiler found\n"
 
 
 def test_compiled_generator_keeps_the_product_eager():
@@ -570,7 +604,7 @@ def test_compiled_generator_keeps_the_product_eager():
     expected = lev.generate(ids)
     lev.compile_generator(backend=capturing_backend)
     assert torch.allclose(lev.generate(ids), expected, atol=1e-6)
-    assert graphs and not any("embedding_bag" in code for code in graphs)
+    assert graphs and not any("frexp" in code for code in graphs)
 
 
 def test_lev_parameter_count():
