@@ -505,7 +505,7 @@ def random_lev(seed, **sizes):
 def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_chunk, fused):
     """generate() against generate_reference() in float32 on random parameters, with ids
     whose t_d reach both end knots and products with negative factors. d_seed = 20: groups
-    of 5 factors; backward chunks of 20 coordinates, 3 (the last of 2) or 1."""
+    of 10 factors; backward chunks of 20 coordinates, 3 (the last of 2) or 1."""
     ids = torch.cat([torch.arange(40), torch.randint(40, 8192, (200,), generator=torch.Generator().manual_seed(0))])
     ids = ids.unique()
     monkeypatch.setattr(leviathan, "CHUNK_FLOATS", per_chunk * 3 * len(ids) * 8)  # h = 3, r = 8
@@ -567,7 +567,7 @@ def test_fused_kernels_match_their_eager_functions():
     t[0, 0, :2] = torch.tensor([0.0, 1.0])
     spline = 1 + 0.5 * torch.randn(3, 24, 10, 8, generator=generator)[:, 4:20]  # a strided view, as S[:, d] is
     grad_times_modes = torch.randn(3, 50, 8, generator=generator)
-    for group in (8, 1):
+    for group in (16, 1):
         eager = leviathan.group_products(t, spline, group)
         assert (eager < 0).any()
         torch.testing.assert_close(leviathan.fused_group_products(t, spline, group), eager, rtol=1e-5, atol=1e-6)
