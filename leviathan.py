@@ -58,16 +58,18 @@ def bspline_nonzero(t, knots):
     return tuple(x.movedim(0, -1).contiguous() for x in (index, values, slopes))
 
 
-# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (4 MB, or
-# one group of coordinates if that is more): memory stays bounded, and the backward's q_d
-# (below) is still in cache when the matmul reads it.
-CHUNK_FLOATS = 1 << 20
+# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
+# group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
+# backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
+# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is already ~7 MB.
+CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
 
 
 def seed_chunks(t, rank, multiple=1):
     """Slices of the seed coordinates d, each a multiple of `multiple` long."""
     seed_dim, heads, n = t.shape
-    size = max(1, CHUNK_FLOATS // (heads * n * rank)) // multiple * multiple or multiple
+    budget = CHUNK_FLOATS_CPU if t.device.type == "cpu" else CHUNK_FLOATS_GPU
+    size = max(1, budget // (heads * n * rank)) // multiple * multiple or multiple
     return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
 
 

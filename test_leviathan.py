@@ -508,7 +508,7 @@ def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_c
     of 10 factors; backward chunks of 20 coordinates, 3 (the last of 2) or 1."""
     ids = torch.cat([torch.arange(40), torch.randint(40, 8192, (200,), generator=torch.Generator().manual_seed(0))])
     ids = ids.unique()
-    monkeypatch.setattr(leviathan, "CHUNK_FLOATS", per_chunk * 3 * len(ids) * 8)  # h = 3, r = 8
+    monkeypatch.setattr(leviathan, "CHUNK_FLOATS_CPU", per_chunk * 3 * len(ids) * 8)  # h = 3, r = 8
     monkeypatch.setattr(leviathan, "FUSE_MIN_FLOATS", 0 if fused else 1 << 40)
     seen = {}
 
@@ -533,7 +533,7 @@ def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_c
 
 
 def test_separable_product_gradient(monkeypatch):
-    monkeypatch.setattr(leviathan, "CHUNK_FLOATS", 20)  # chunks of 2 coordinates, the last of 1
+    monkeypatch.setattr(leviathan, "CHUNK_FLOATS_CPU", 20)  # chunks of 2 coordinates, the last of 1
     torch.manual_seed(0)
     t = torch.rand(5, 2, 3, dtype=torch.double)
     t[0, 0] = torch.tensor([0.0, 1.0, 0.02])  # at and near the end knots
