@@ -61,7 +61,7 @@ def bspline_nonzero(t, knots):
 # LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
 # group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
 # backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
-# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is already ~7 MB.
+# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is ~3 MB.
 CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
 
 
