@@ -133,12 +133,6 @@ def bench_model(args, device):
     bench_lev_alone(cpu_sized, real_token_batch(o200k, 8, cpu_sized.seq_len)[:, :-1].unique(), device, args.repeats)
 
 
-def lev_for(cfg, device):
-    """The LEV of a model config, on its own."""
-    return LEV(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
-               cfg.lev_knots, cfg.lev_rank).to(device)
-
-
 def lev_forward_backward(lev, ids, reference):
     """LEV's share of a training step: E for the distinct ids, then the gradients of its parameters."""
     E = (lev.generate_reference if reference else lev.generate)(ids)
@@ -155,7 +149,7 @@ def lev_peak_bytes(cfg, ids, reference, device_name):
     CPU, memory an earlier run freed but the process kept would hide part of the peak. A
     first call on a few ids compiles the fast path's kernels, whose memory is not LEV's."""
     device = torch.device(device_name)
-    lev = lev_for(cfg, device)
+    lev = LEV.from_config(cfg).to(device)
     lev_forward_backward(lev, ids[:64].to(device), reference)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -173,7 +167,7 @@ def bench_lev_alone(cfg, ids, device, repeats):
     """LEV by itself at the paper's hyper-parameters: generate() against generate_reference(), the method
     written out (dense basis, plain matmul, all of phi kept for the backward), interleaved."""
     torch.manual_seed(0)
-    lev = lev_for(cfg, device)
+    lev = LEV.from_config(cfg).to(device)
     times = {False: [], True: []}
     for _, reference in itertools.product(range(repeats + 1), times):  # the first round warms up
         start = time.perf_counter()
@@ -311,7 +305,7 @@ def run_train(args, nproc=1):
 def lev_seconds_per_micro_step(size, device):
     """LEV's forward and backward for the distinct ids of one micro-batch of real text (16 x 512)."""
     cfg = Config.from_size(size)
-    lev = lev_for(cfg, device)
+    lev = LEV.from_config(cfg).to(device)
     lev.compile_generator()
     ids = real_token_batch(get_tokenizer("o200k_base"), 16, cfg.seq_len).to(device)
     for _ in range(3):  # compile, warm up

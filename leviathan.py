@@ -238,6 +238,12 @@ class LEV(nn.Module):
         self.out_proj = nn.Parameter(torch.empty(heads, rank, d_model))  # W_out_l
         self.reset_parameters()
 
+    @classmethod
+    def from_config(cls, cfg):
+        """The LEV of a model Config (its vocabulary, width and lev_* fields)."""
+        return cls(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
+                   cfg.lev_knots, cfg.lev_rank)
+
     @torch.no_grad()
     def reset_parameters(self):
         # (R) Init chosen so the product of d_seed=128 factors stays near 1: each
@@ -565,8 +571,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         if cfg.embedding == "lev":
-            self.lev = LEV(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim,
-                           cfg.lev_heads, cfg.lev_knots, cfg.lev_rank)
+            self.lev = LEV.from_config(cfg)
         else:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
