@@ -112,6 +112,7 @@ class Fused:
     Triton on a GPU), so that phi is computed in registers and never written to memory.
     LEV needs this whether or not the model is compiled. Where compiling fails (no C++
     compiler, an unsupported GPU), fn runs eagerly: the same result, slower."""
+    warned = False  # one warning line for all the kernels
 
     def __init__(self, fn):
         self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
@@ -121,8 +122,10 @@ class Fused:
             try:
                 return self.compiled(*args)
             except Exception as error:  # a real bug fails again below, eagerly
-                reason = str(error).split("\n")[0]
-                print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
+                if not Fused.warned:
+                    reason = str(error).split("\n")[0]
+                    print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
+                    Fused.warned = True
                 self.compiled = None
         return self.fn(*args)
 

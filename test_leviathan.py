@@ -577,15 +577,18 @@ def test_fused_kernels_match_their_eager_functions():
     assert leviathan.fused_group_products.compiled is not None  # compiled, not fallen back to eager
 
 
-def test_fused_kernel_falls_back_to_eager_when_compiling_fails(capsys):
+def test_fused_kernels_fall_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     def failing_compile(*args):
         raise RuntimeError("no C++ compiler found\nmore detail")
 
-    kernel = leviathan.Fused(leviathan.group_products)
-    kernel.compiled = failing_compile
+    monkeypatch.setattr(leviathan.Fused, "warned", False)
+    kernels = [leviathan.Fused(leviathan.group_products), leviathan.Fused(leviathan.group_products)]
     t, spline = torch.rand(8, 2, 5), torch.rand(2, 8, 6, 3)
-    assert torch.equal(kernel(t, spline, 4), leviathan.group_products(t, spline, 4))
-    assert kernel.compiled is None  # and it is not tried again
+    for kernel in kernels:
+        kernel.compiled = failing_compile
+        assert torch.equal(kernel(t, spline, 4), leviathan.group_products(t, spline, 4))
+        assert kernel.compiled is None  # and it is not tried again
+    # one line for all the kernels
     assert capsys.readouterr().out == "warning: LEV runs eagerly (slower); torch.compile failed: no C++ compiler found\n"
 
 
