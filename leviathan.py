@@ -82,13 +82,19 @@ def knot_rows(spline, index):
     return [spline[head, d, index[..., j]] for j in range(3)]
 
 
+def mix_rows(rows, weights):
+    """sum_j weights[..., j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d
+    with their slopes; three float32 multiply-adds per element."""
+    return sum(row * weights[..., j, None] for j, row in enumerate(rows))
+
+
 def group_products(t, spline, group):
     """Steps 3c-3d and part of 3e for t [d, h, N], S [h, d, kappa, r]: phi_d = sum_m B_m(t_d) S_l[d, m]
     as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis, no matmul, so exact
     float32 on any device), multiplied over groups of `group` consecutive coordinates:
     [d / group, h, N, r]. Compiled (fused_group_products), phi lives in registers only."""
     index, values, _ = bspline_nonzero(t, spline.shape[2])
-    phi = sum(row * values[..., j, None] for j, row in enumerate(knot_rows(spline, index)))
+    phi = mix_rows(knot_rows(spline, index), values)
     return phi.unflatten(0, (-1, group)).prod(1)
 
 
@@ -99,8 +105,7 @@ def product_gradients(t, spline, grad_times_modes):
     basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
     index, values, slopes = bspline_nonzero(t, spline.shape[2])
     rows = knot_rows(spline, index)
-    phi = sum(row * values[..., j, None] for j, row in enumerate(rows))
-    phi_slope = sum(row * slopes[..., j, None] for j, row in enumerate(rows))
+    phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
     q = grad_times_modes / phi
     knots = torch.arange(spline.shape[2], device=t.device)
     basis = sum(values[..., j, None] * (index[..., j, None] == knots) for j in range(3))
