@@ -577,6 +577,58 @@ def test_fused_kernels_match_their_eager_functions():
     assert leviathan.fused_group_products.compiled is not None  # compiled, not fallen back to eager
 
 
+def fused_kernel_errors_under_triton_interpreter():
+    """Runs in a fresh process (see below): Fused's kernels built by inductor's Triton code
+    generator, the one a GPU uses (with CPU block sizes), and run by Triton's interpreter on
+    CPU tensors (TRITON_INTERPRET=1). Returns max |Triton - eager| / max |eager| for each output,
+    and whether every call generated Triton source. Three stand-ins make up for the GPU:"""
+    import torch._inductor.config
+    import torch._inductor.utils
+    import torch.utils._triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime.interpreter import TensorHandle
+
+    # 1. inductor keys its cache by the GPU's backend, which needs a driver; there is none
+    torch.utils._triton.triton_hash_with_backend = lambda: "TRITON-INTERPRETER"
+    # 2. round() becomes libdevice.nearbyint, a GPU library call the interpreter lacks;
+    #    numpy's rint rounds the same way (half to even)
+    libdevice.nearbyint = lambda x, _semantic=None: tl.tensor(
+        TensorHandle(np.rint(x.handle.data), x.handle.dtype), x.type)
+    generator = torch.Generator().manual_seed(0)
+    t = torch.rand(8, 2, 6, generator=generator)
+    t[0, 0, :2] = torch.tensor([0.0, 1.0])
+    spline = 1 + 0.5 * torch.randn(2, 12, 10, 4, generator=generator)[:, 2:10]  # strided, as S[:, d] is
+    grad_times_modes = torch.randn(2, 6, 4, generator=generator)
+    calls = [(leviathan.group_products, (t, spline, 8)), (leviathan.group_products, (t, spline, 1)),
+             (leviathan.product_gradients, (t, spline, grad_times_modes))]
+    errors, sources = [], []
+    # 3. inductor's CPU backend switched from C++ to Triton
+    with torch._inductor.config.patch(cpu_backend="triton"):
+        for fn, args in calls:
+            kernel = leviathan.Fused(fn)
+            fused, code = torch._inductor.utils.run_and_get_code(kernel, *args)
+            assert kernel.compiled is not None, "compiling failed; Fused fell back to eager"
+            eager = fn(*args)
+            pairs = zip(fused, eager) if isinstance(eager, tuple) else [(fused, eager)]
+            errors += [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]
+            sources += code
+    return errors, all("@triton.jit" in source for source in sources) and len(sources) == len(calls)
+
+
+def test_fused_kernels_match_eager_as_triton_kernels(monkeypatch):
+    """The GPU build of LEV's kernels (the issue's Triton-interpreter check): never run on a GPU
+    here, but its generated Triton code is, by Triton's interpreter, in a fresh process so that
+    nothing of it reaches the other tests. Needs `pip install triton` (torch's CUDA builds
+    bring it; CI installs it)."""
+    pytest.importorskip("triton", reason='needs triton: pip install "triton>=3.9,<3.10"')
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # for the new process, from its start
+    with torch.multiprocessing.get_context("spawn").Pool(1) as pool:
+        errors, triton_generated = pool.apply(fused_kernel_errors_under_triton_interpreter)
+    assert triton_generated
+    assert len(errors) == 5 and max(errors) < 1e-5, errors
+
+
 def test_fused_kernels_fall_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     def failing_compile(*args):
         raise RuntimeError("no C++ compiler found\nmore detail")
