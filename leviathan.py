@@ -38,12 +38,12 @@ def bspline_nonzero(t, knots):
     """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
     only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
     in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
-    Returns three [..., 3] tensors for the knots c - 1, c, c + 1: the index m (clamped into
-    [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
+    Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
+    (clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
     position = t * (knots - 1)
     nearest = position.round()
     f = position - nearest
-    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead so whole planes vectorise
+    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead, so each plane is contiguous
     a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
                            device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
     neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
@@ -54,8 +54,7 @@ def bspline_nonzero(t, knots):
     total = values.sum(0)
     values = values / total
     slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
-    index = neighbours.clamp_(0, knots - 1).long()
-    return tuple(x.movedim(0, -1).contiguous() for x in (index, values, slopes))
+    return neighbours.clamp_(0, knots - 1).long(), values, slopes
 
 
 # LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
@@ -74,41 +73,44 @@ def seed_chunks(t, rank, multiple=1):
 
 
 def knot_rows(spline, index):
-    """S_l[d, m] at the 3 knots m = index[..., j] of each (d, l, n): three [d, h, N, r] tensors.
+    """S_l[d, m] at the 3 knots m = index[j] of each (d, l, n): three [d, h, N, r] tensors.
     Compiled, they are indirect loads inside the kernel and never written to memory."""
     heads, seed_dim = spline.shape[:2]
     d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
     head = torch.arange(heads, device=index.device).view(1, -1, 1)
-    return [spline[head, d, index[..., j]] for j in range(3)]
+    return [spline[head, d, index[j]] for j in range(3)]
 
 
 def mix_rows(rows, weights):
-    """sum_j weights[..., j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d
-    with their slopes; three float32 multiply-adds per element."""
-    return sum(row * weights[..., j, None] for j, row in enumerate(rows))
+    """sum_j weights[j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d with
+    their slopes; three float32 multiply-adds per element."""
+    return sum(row * weights[j, ..., None] for j, row in enumerate(rows))
 
 
-def group_products(t, spline, group):
-    """Steps 3c-3d and part of 3e for t [d, h, N], S [h, d, kappa, r]: phi_d = sum_m B_m(t_d) S_l[d, m]
-    as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis, no matmul, so exact
-    float32 on any device), multiplied over groups of `group` consecutive coordinates:
-    [d / group, h, N, r]. Compiled (fused_group_products), phi lives in registers only."""
-    index, values, _ = bspline_nonzero(t, spline.shape[2])
+# The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
+# of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
+# again for every r-vector of phi (LEV's forward + backward measured 4-8% slower so, on a CPU).
+
+
+def group_products(index, values, spline, group):
+    """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
+    sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
+    no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
+    coordinates: [d / group, h, N, r]. Compiled (Fused, below), phi lives in registers only."""
     phi = mix_rows(knot_rows(spline, index), values)
     return phi.unflatten(0, (-1, group)).prod(1)
 
 
-def product_gradients(t, spline, grad_times_modes):
+def product_gradients(index, values, slopes, spline, grad_times_modes):
     """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
     q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
     (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
     basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
-    index, values, slopes = bspline_nonzero(t, spline.shape[2])
     rows = knot_rows(spline, index)
     phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
     q = grad_times_modes / phi
-    knots = torch.arange(spline.shape[2], device=t.device)
-    basis = sum(values[..., j, None] * (index[..., j, None] == knots) for j in range(3))
+    knots = torch.arange(spline.shape[2], device=index.device)
+    basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
     return q, (q * phi_slope).sum(-1), basis
 
 
@@ -135,7 +137,8 @@ class Fused:
         return self.fn(*args)
 
 
-fused_group_products, fused_product_gradients = Fused(group_products), Fused(product_gradients)
+FUSED_KERNELS = Fused(bspline_nonzero), Fused(group_products), Fused(product_gradients)
+KERNELS = bspline_nonzero, group_products, product_gradients
 
 # Compiling costs seconds, once per process (and per shape family); a call with fewer phi
 # floats than this (a test-sized LEV) is fast eagerly, so it runs the functions as written.
@@ -143,10 +146,9 @@ FUSE_MIN_FLOATS = 1 << 20
 
 
 def kernels_for(t, spline):
-    """(group_products, product_gradients) for this call: fused where it pays for compiling."""
-    if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS:
-        return fused_group_products, fused_product_gradients
-    return group_products, product_gradients
+    """(bspline_nonzero, group_products, product_gradients) for this call: fused where it pays
+    for compiling."""
+    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
 
 
 def product_group(seed_dim):
@@ -165,9 +167,11 @@ def modes_from_groups(t, spline, group):
     _, heads, n = t.shape
     mantissa = t.new_ones(heads, n, spline.shape[-1])
     exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-    smallest, kernel = [], kernels_for(t, spline)[0]
+    bspline, products_of_groups, _ = kernels_for(t, spline)
+    index, values, _ = bspline(t, spline.shape[2])
+    smallest = []
     for d in seed_chunks(t, spline.shape[-1], group):
-        products = kernel(t[d], spline[:, d], group)
+        products = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
         smallest.append(products.abs().amin())
         for product in products.unbind(0):
             mantissa, scale = torch.frexp(mantissa * product)
@@ -210,9 +214,10 @@ class SeparableProduct(torch.autograd.Function):
         t, spline, modes = ctx.saved_tensors
         grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
         grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
-        kernel = kernels_for(t, spline)[1]
+        bspline, _, gradients = kernels_for(t, spline)
+        index, values, slopes = bspline(t, spline.shape[2])
         for d in seed_chunks(t, spline.shape[-1]):
-            q, grad_t[d], basis = kernel(t[d], spline[:, d], grad_times_modes)
+            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d], grad_times_modes)
             grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
         return grad_t, grad_spline
 
@@ -220,8 +225,8 @@ class SeparableProduct(torch.autograd.Function):
 @torch.compiler.disable
 def separable_modes(t, spline):
     """SeparableProduct kept out of the model's torch.compile: traced, its backward's rebuilt
-    phi would be merged with the forward's, and phi saved after all. Its two kernels are
-    compiled on their own (Fused), each with no view of the other."""
+    phi would be merged with the forward's, and phi saved after all. Its kernels are
+    compiled on their own (Fused), each with no view of the others."""
     return SeparableProduct.apply(t, spline)
 
 

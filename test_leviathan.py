@@ -442,7 +442,7 @@ def test_bspline_nonzero_is_the_normalised_formula():
     knots = 16
     t = torch.cat([torch.linspace(0, 1, 10_001), torch.tensor([0.5, 1 / 15, 14 / 15, 0.5 / 15])])
     t = t.double().requires_grad_()
-    index, values, slopes = bspline_nonzero(t.detach(), knots)
+    index, values, slopes = (plane.T for plane in bspline_nonzero(t.detach(), knots))  # [len(t), 3]
     basis = torch.zeros(len(t), knots, dtype=t.dtype).scatter_add(-1, index, values)
     expected = method_basis(t, knots)
     assert torch.allclose(basis, expected, atol=1e-12)
@@ -567,14 +567,19 @@ def test_fused_kernels_match_their_eager_functions():
     t[0, 0, :2] = torch.tensor([0.0, 1.0])
     spline = 1 + 0.5 * torch.randn(3, 24, 10, 8, generator=generator)[:, 4:20]  # a strided view, as S[:, d] is
     grad_times_modes = torch.randn(3, 50, 8, generator=generator)
+    fused_bspline, fused_products, fused_gradients = leviathan.FUSED_KERNELS
+    planes = leviathan.bspline_nonzero(t, 10)
+    for fused, eager in zip(fused_bspline(t, 10), planes):
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+    index, values, slopes = planes
     for group in (16, 1):
-        eager = leviathan.group_products(t, spline, group)
+        eager = leviathan.group_products(index, values, spline, group)
         assert (eager < 0).any()
-        torch.testing.assert_close(leviathan.fused_group_products(t, spline, group), eager, rtol=1e-5, atol=1e-6)
-    for fused, eager in zip(leviathan.fused_product_gradients(t, spline, grad_times_modes),
-                            leviathan.product_gradients(t, spline, grad_times_modes)):
+        torch.testing.assert_close(fused_products(index, values, spline, group), eager, rtol=1e-5, atol=1e-6)
+    gradient_args = index, values, slopes, spline, grad_times_modes
+    for fused, eager in zip(fused_gradients(*gradient_args), leviathan.product_gradients(*gradient_args)):
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
-    assert leviathan.fused_group_products.compiled is not None  # compiled, not fallen back to eager
+    assert all(kernel.compiled is not None for kernel in leviathan.FUSED_KERNELS)  # none fell back to eager
 
 
 def fused_kernel_errors_under_triton_interpreter():
@@ -600,8 +605,10 @@ def fused_kernel_errors_under_triton_interpreter():
     t[0, 0, :2] = torch.tensor([0.0, 1.0])
     spline = 1 + 0.5 * torch.randn(2, 12, 10, 4, generator=generator)[:, 2:10]  # strided, as S[:, d] is
     grad_times_modes = torch.randn(2, 6, 4, generator=generator)
-    calls = [(leviathan.group_products, (t, spline, 8)), (leviathan.group_products, (t, spline, 1)),
-             (leviathan.product_gradients, (t, spline, grad_times_modes))]
+    index, values, slopes = leviathan.bspline_nonzero(t, 10)
+    calls = [(leviathan.bspline_nonzero, (t, 10)), (leviathan.group_products, (index, values, spline, 8)),
+             (leviathan.group_products, (index, values, spline, 1)),
+             (leviathan.product_gradients, (index, values, slopes, spline, grad_times_modes))]
     errors, sources = [], []
     # 3. inductor's CPU backend switched from C++ to Triton
     with torch._inductor.config.patch(cpu_backend="triton"):
@@ -626,7 +633,7 @@ def test_fused_kernels_match_eager_as_triton_kernels(monkeypatch):
     with torch.multiprocessing.get_context("spawn").Pool(1) as pool:
         errors, triton_generated = pool.apply(fused_kernel_errors_under_triton_interpreter)
     assert triton_generated
-    assert len(errors) == 5 and max(errors) < 1e-5, errors
+    assert len(errors) == 8 and max(errors) < 1e-5, errors
 
 
 def test_fused_kernels_fall_back_to_eager_when_compiling_fails(monkeypatch, capsys):
@@ -635,10 +642,11 @@ def test_fused_kernels_fall_back_to_eager_when_compiling_fails(monkeypatch, caps
 
     monkeypatch.setattr(leviathan.Fused, "warned", False)
     kernels = [leviathan.Fused(leviathan.group_products), leviathan.Fused(leviathan.group_products)]
-    t, spline = torch.rand(8, 2, 5), torch.rand(2, 8, 6, 3)
+    index, values, _ = leviathan.bspline_nonzero(torch.rand(8, 2, 5), 6)
+    spline = torch.rand(2, 8, 6, 3)
     for kernel in kernels:
         kernel.compiled = failing_compile
-        assert torch.equal(kernel(t, spline, 4), leviathan.group_products(t, spline, 4))
+        assert torch.equal(kernel(index, values, spline, 4), leviathan.group_products(index, values, spline, 4))
         assert kernel.compiled is None  # and it is not tried again
     # one line for all the kernels
     assert capsys.readouterr().out == "warning: LEV runs eagerly (slower); torch.compile failed: no C++ compiler found\n"
