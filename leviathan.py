@@ -39,7 +39,7 @@ def bspline_nonzero(t, knots):
     only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
     in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
     Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
-    (clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
+    (int32, clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
     position = t * (knots - 1)
     nearest = position.round()
     f = position - nearest
@@ -54,7 +54,7 @@ def bspline_nonzero(t, knots):
     total = values.sum(0)
     values = values / total
     slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
-    return neighbours.clamp_(0, knots - 1).long(), values, slopes
+    return neighbours.clamp_(0, knots - 1).int(), values, slopes
 
 
 # LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one

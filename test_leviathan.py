@@ -443,6 +443,7 @@ def test_bspline_nonzero_is_the_normalised_formula():
     t = torch.cat([torch.linspace(0, 1, 10_001), torch.tensor([0.5, 1 / 15, 14 / 15, 0.5 / 15])])
     t = t.double().requires_grad_()
     index, values, slopes = (plane.T for plane in bspline_nonzero(t.detach(), knots))  # [len(t), 3]
+    index = index.long()  # int32 from LEV (half the memory); scatter_add takes int64
     basis = torch.zeros(len(t), knots, dtype=t.dtype).scatter_add(-1, index, values)
     expected = method_basis(t, knots)
     assert torch.allclose(basis, expected, atol=1e-12)
