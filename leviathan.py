@@ -89,7 +89,7 @@ def mix_rows(rows, weights):
 
 # The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
 # of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
-# again for every r-vector of phi (LEV's forward + backward measured 4-8% slower so, on a CPU).
+# again for every r-vector of phi (LEV's forward + backward measured 4-10% slower so, on a CPU).
 
 
 def group_products(index, values, spline, group):
