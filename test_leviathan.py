@@ -560,26 +560,35 @@ def test_product_is_exact_where_a_plain_float32_product_is_not(first, then):
         torch.testing.assert_close(modes.double(), expected, rtol=1e-6, atol=0)
 
 
-def test_fused_kernels_match_their_eager_functions():
-    """The compiled kernels (inductor here, Triton on a GPU) against the same functions run
-    eagerly, on random parameters with negative factors and t at both end knots."""
+def kernel_calls(heads, n, rank, group):
+    """LEV's kernels with their arguments: bspline_nonzero, group_products for groups of `group`
+    and of 1, product_gradients. Random parameters with negative factors, t at both end knots,
+    and S a strided view, as S[:, d] is."""
     generator = torch.Generator().manual_seed(0)
-    t = torch.rand(16, 3, 50, generator=generator)
+    t = torch.rand(group, heads, n, generator=generator)
     t[0, 0, :2] = torch.tensor([0.0, 1.0])
-    spline = 1 + 0.5 * torch.randn(3, 24, 10, 8, generator=generator)[:, 4:20]  # a strided view, as S[:, d] is
-    grad_times_modes = torch.randn(3, 50, 8, generator=generator)
-    fused_bspline, fused_products, fused_gradients = leviathan.FUSED_KERNELS
-    planes = leviathan.bspline_nonzero(t, 10)
-    for fused, eager in zip(fused_bspline(t, 10), planes):
-        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
-    index, values, slopes = planes
-    for group in (16, 1):
-        eager = leviathan.group_products(index, values, spline, group)
-        assert (eager < 0).any()
-        torch.testing.assert_close(fused_products(index, values, spline, group), eager, rtol=1e-5, atol=1e-6)
-    gradient_args = index, values, slopes, spline, grad_times_modes
-    for fused, eager in zip(fused_gradients(*gradient_args), leviathan.product_gradients(*gradient_args)):
-        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    spline = 1 + 0.5 * torch.randn(heads, group + 8, 10, rank, generator=generator)[:, 4:group + 4]
+    grad_times_modes = torch.randn(heads, n, rank, generator=generator)
+    index, values, slopes = leviathan.bspline_nonzero(t, 10)
+    return [(leviathan.bspline_nonzero, (t, 10)), (leviathan.group_products, (index, values, spline, group)),
+            (leviathan.group_products, (index, values, spline, 1)),
+            (leviathan.product_gradients, (index, values, slopes, spline, grad_times_modes))]
+
+
+def as_tuple(outputs):
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def test_fused_kernels_match_their_eager_functions():
+    """The compiled kernels (inductor here, Triton on a GPU) against the same functions run eagerly."""
+    fused_kernel = dict(zip(leviathan.KERNELS, leviathan.FUSED_KERNELS))
+    for fn, args in kernel_calls(heads=3, n=50, rank=8, group=16):
+        eager = as_tuple(fn(*args))
+        if fn is leviathan.group_products:
+            assert (eager[0] < 0).any()
+        atol = 1e-5 if fn is leviathan.product_gradients else 1e-6
+        for fused, expected in zip(as_tuple(fused_kernel[fn](*args)), eager, strict=True):
+            torch.testing.assert_close(fused, expected, rtol=1e-5, atol=atol)
     assert all(kernel.compiled is not None for kernel in leviathan.FUSED_KERNELS)  # none fell back to eager
 
 
@@ -601,15 +610,7 @@ def fused_kernel_errors_under_triton_interpreter():
     #    numpy's rint rounds the same way (half to even)
     libdevice.nearbyint = lambda x, _semantic=None: tl.tensor(
         TensorHandle(np.rint(x.handle.data), x.handle.dtype), x.type)
-    generator = torch.Generator().manual_seed(0)
-    t = torch.rand(8, 2, 6, generator=generator)
-    t[0, 0, :2] = torch.tensor([0.0, 1.0])
-    spline = 1 + 0.5 * torch.randn(2, 12, 10, 4, generator=generator)[:, 2:10]  # strided, as S[:, d] is
-    grad_times_modes = torch.randn(2, 6, 4, generator=generator)
-    index, values, slopes = leviathan.bspline_nonzero(t, 10)
-    calls = [(leviathan.bspline_nonzero, (t, 10)), (leviathan.group_products, (index, values, spline, 8)),
-             (leviathan.group_products, (index, values, spline, 1)),
-             (leviathan.product_gradients, (index, values, slopes, spline, grad_times_modes))]
+    calls = kernel_calls(heads=2, n=6, rank=4, group=8)
     errors, sources = [], []
     # 3. inductor's CPU backend switched from C++ to Triton
     with torch._inductor.config.patch(cpu_backend="triton"):
@@ -617,8 +618,7 @@ def fused_kernel_errors_under_triton_interpreter():
             kernel = leviathan.Fused(fn)
             fused, code = torch._inductor.utils.run_and_get_code(kernel, *args)
             assert kernel.compiled is not None, "compiling failed; Fused fell back to eager"
-            eager = fn(*args)
-            pairs = zip(fused, eager) if isinstance(eager, tuple) else [(fused, eager)]
+            pairs = zip(as_tuple(fused), as_tuple(fn(*args)), strict=True)
             errors += [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]
             sources += code
     return errors, all("@triton.jit" in source for source in sources) and len(sources) == len(calls)
