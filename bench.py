@@ -23,8 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import SIZE_DEFAULTS, ArgumentParser, UserError, demo_documents, generate, get_tokenizer, run_main
-from leviathan import EMBEDDINGS, LEV, Config, LinearCrossEntropy, Model, padded_vocab
+from cli import ArgumentParser, UserError, run_main
+from data import demo_documents, get_tokenizer
+from leviathan import EMBEDDINGS, LEV, SIZES, Config, LinearCrossEntropy, Model, compile_lev, generate, padded_vocab
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -242,7 +243,7 @@ def bench_train(args, device):
     """The real training loop (train.py on the demo corpus, tiny preset): tokens/s of each arm,
     runs interleaved. Needs `python prepare_data.py --dataset=demo` first."""
     rates, steps = {e: [] for e in EMBEDDINGS}, 60
-    tiny_batch_tokens = SIZE_DEFAULTS["tiny"]["batch_tokens"]
+    tiny_batch_tokens = SIZES["tiny"].batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, embedding in itertools.product(range(args.repeats), EMBEDDINGS):
             out_dir = os.path.join(tmp, f"{embedding}{repeat}")
@@ -306,7 +307,7 @@ def lev_seconds_per_micro_step(size, device):
     """LEV's forward and backward for the distinct ids of one micro-batch of real text (16 x 512)."""
     cfg = Config.from_size(size)
     lev = LEV.from_config(cfg).to(device)
-    lev.compile_generator()
+    compile_lev(lev)
     ids = real_token_batch(get_tokenizer("o200k_base"), 16, cfg.seq_len).to(device)
     for _ in range(3):  # compile, warm up
         lev(ids).sum().backward()

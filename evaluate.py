@@ -27,7 +27,9 @@ import json, os, sys
 
 import torch
 
-from common import ArgumentParser, UserError, check_device, load_model, run_main, write_json
+from checkpoint import load_model
+from cli import ArgumentParser, UserError, check_device, run_main
+from data import write_json
 
 try:
     import lm_eval

@@ -1,12 +1,17 @@
-"""Leviathan: a LLaMA-style language model whose input embedding table is replaced
-by LEV, a tiny continuous generator from token id to vector, with an untied head.
+"""Leviathan: a LLaMA-style language model whose input embedding table is replaced by LEV, a
+tiny continuous generator from token id to vector, with an untied output head.
 
-Paper: Batley & Saha, "Leviathan: Decoupling Input and Output Representations in
-Language Models", arXiv 2601.22040. The authors released no code. The README's method
-section sets out the method this file follows and lists the details the paper leaves
-open, which we reconstructed; each is flagged (R) below where the choice is made.
+Paper: R. T. Batley and S. Saha, "Leviathan: Decoupling Input and Output Representations in
+Language Models", arXiv 2601.22040. The authors released no code; the details the paper leaves
+open are reconstructed, and each is flagged (R) where the choice is made (the README lists them
+with their reasons).
 
-Read top to bottom: LEV (steps 1-4), the backbone, the three arms, the sizes.
+Read top to bottom:
+    the configuration
+    LEV, written as the method's equations (steps 1-4)
+    the backbone, the loss, and the model with its three arms (lev / tied / untied)
+    generation, and the table of sizes
+    LEV's fast path: the same computation, fused and exact, and what torch.compile sees
 """
 import math
 from dataclasses import dataclass, replace
@@ -16,7 +21,73 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # -----------------------------------------------------------------------------
-# LEV: token id i -> E_i in R^D
+# Configuration
+
+EMBEDDINGS = ("lev", "tied", "untied")  # Leviathan | the paper's baseline | the ablation it lacks
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 200_064  # o200k_base's 200,019 ids padded to a multiple of 128
+    d_model: int = 2048  # D
+    n_layer: int = 16
+    n_head: int = 16
+    seq_len: int = 512  # the paper's v1 sequence length
+    embedding: str = "lev"  # one of EMBEDDINGS
+    rope_theta: float = 10_000.0
+    lev_digits: int = 3  # k
+    lev_seed_dim: int = 128  # d_seed
+    lev_heads: int = 8  # h
+    lev_knots: int = 16  # kappa
+    lev_rank: int = 64  # r
+
+    def __post_init__(self):
+        """Refuse shapes that would crash later or train something that is not the method."""
+        if self.embedding not in EMBEDDINGS:
+            raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
+        for name, least, why in [("vocab_size", 2, "a vocabulary"), ("d_model", 2, "a model width"),
+                                 ("n_layer", 1, "a block"), ("n_head", 1, "an attention head"),
+                                 ("seq_len", 1, "a position"), ("lev_digits", 1, "a digit"),
+                                 ("lev_seed_dim", 2, "LayerNorm over z's coordinates"),
+                                 ("lev_heads", 1, "a LEV head"),
+                                 ("lev_knots", 3, "the quadratic B-spline spans three knots; with one, "
+                                                  "every id gets the same embedding"),
+                                 ("lev_rank", 1, "a mode")]:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value}: must be an integer >= {least} ({why})")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta}: must be > 0 (the rotary base)")
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads "
+                             "(rotary embeddings rotate pairs of dimensions)")
+        base = lev_base(self.vocab_size, self.lev_digits)
+        if base ** (self.lev_digits - 1) >= self.vocab_size:  # the leading digit of every id is 0
+            most = max(k for k in range(1, self.lev_digits) if lev_base(self.vocab_size, k) ** (k - 1) < self.vocab_size)
+            raise ValueError(f"lev_digits={self.lev_digits}: {self.vocab_size:,} ids have at most {most} digits "
+                             "(the leading ones would be 0 for every id)")
+
+    @property
+    def ffn_dim(self):
+        """SwiGLU hidden size: 8/3 D (the parameters of a 4D GELU MLP), rounded up to 128."""
+        return -(-8 * self.d_model // 3 // 128) * 128
+
+    @classmethod
+    def from_size(cls, name, **overrides):
+        """The model of a size in SIZES (below), with some fields changed."""
+        if name not in SIZES:
+            raise ValueError(f"unknown size {name!r}; choose one of {', '.join(SIZES)}")
+        return replace(SIZES[name].model, **overrides)
+
+
+def padded_vocab(n_ids):
+    """Round the tokenizer's id count up to a multiple of 128 (tensor-core friendly).
+    The padding rows are never targets and are masked out when sampling."""
+    return -(-n_ids // 128) * 128
+
+
+# -----------------------------------------------------------------------------
+# LEV: token id i -> E_i in R^D, as the method's equations
 
 
 def lev_base(vocab_size, digits):
@@ -34,219 +105,33 @@ def to_digits(ids, base, digits):
     return (ids.unsqueeze(-1) // powers) % base
 
 
-def bspline_nonzero(t, knots):
-    """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
-    only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
-    in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
-    Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
-    (int32, clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
-    position = t * (knots - 1)
-    nearest = position.round()
-    f = position - nearest
-    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead, so each plane is contiguous
-    a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
-                           device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
-    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
-    inside = (neighbours >= 0) & (neighbours < knots)
-    values, slopes = (a + b * f + c * f**2) * inside, (b + 2 * c * f) * inside * (knots - 1)
-    # (R) Normalise to a partition of unity: at the two end knots a neighbour falls outside
-    # [0, kappa) and is dropped, and the raw sum would dip to 0.875 there.
-    total = values.sum(0)
-    values = values / total
-    slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
-    return neighbours.clamp_(0, knots - 1).int(), values, slopes
-
-
-# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
-# group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
-# backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
-# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is ~3 MB.
-CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
-
-
-def seed_chunks(t, rank, multiple=1):
-    """Slices of the seed coordinates d, each a multiple of `multiple` long."""
-    seed_dim, heads, n = t.shape
-    budget = CHUNK_FLOATS_CPU if t.device.type == "cpu" else CHUNK_FLOATS_GPU
-    size = max(1, budget // (heads * n * rank)) // multiple * multiple or multiple
-    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
-
-
-def knot_rows(spline, index):
-    """S_l[d, m] at the 3 knots m = index[j] of each (d, l, n): three [d, h, N, r] tensors.
-    Compiled, they are indirect loads inside the kernel and never written to memory."""
-    heads, seed_dim = spline.shape[:2]
-    d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
-    head = torch.arange(heads, device=index.device).view(1, -1, 1)
-    return [spline[head, d, index[j]] for j in range(3)]
-
-
-def mix_rows(rows, weights):
-    """sum_j weights[j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d with
-    their slopes; three float32 multiply-adds per element."""
-    return sum(row * weights[j, ..., None] for j, row in enumerate(rows))
-
-
-# The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
-# of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
-# again for every r-vector of phi (LEV's forward + backward measured 4-10% slower so, on a CPU).
-
-
-def group_products(index, values, spline, group):
-    """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
-    sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
-    no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
-    coordinates: [d / group, h, N, r]. Compiled (Fused, below), phi lives in registers only."""
-    phi = mix_rows(knot_rows(spline, index), values)
-    return phi.unflatten(0, (-1, group)).prod(1)
-
-
-def product_gradients(index, values, slopes, spline, grad_times_modes):
-    """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
-    q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
-    (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
-    basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
-    rows = knot_rows(spline, index)
-    phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
-    q = grad_times_modes / phi
-    knots = torch.arange(spline.shape[2], device=index.device)
-    basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
-    return q, (q * phi_slope).sum(-1), basis
-
-
-class Fused:
-    """fn compiled by torch.compile into one kernel per call (inductor: C++ loops on a CPU,
-    Triton on a GPU), so that phi is computed in registers and never written to memory.
-    LEV needs this whether or not the model is compiled. Where compiling fails (no C++
-    compiler, an unsupported GPU), fn runs eagerly: the same result, slower."""
-    warned = False  # one warning line for all the kernels
-
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as error:  # a real bug fails again below, eagerly
-                if not Fused.warned:
-                    reason = str(error).split("\n")[0]
-                    print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
-                    Fused.warned = True
-                self.compiled = None
-        return self.fn(*args)
-
-
-FUSED_KERNELS = Fused(bspline_nonzero), Fused(group_products), Fused(product_gradients)
-KERNELS = bspline_nonzero, group_products, product_gradients
-
-# Compiling costs seconds, once per process (and per shape family); a call with fewer phi
-# floats than this (a test-sized LEV) is fast eagerly, so it runs the functions as written.
-FUSE_MIN_FLOATS = 1 << 20
-
-
-def kernels_for(t, spline):
-    """(bspline_nonzero, group_products, product_gradients) for this call: fused where it pays
-    for compiling."""
-    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
-
-
-def product_group(seed_dim):
-    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 16.
-    The exactness bound below is then |S| <= 8; trained S stays within 0.4-1.6."""
-    return max(g for g in range(1, 17) if seed_dim % g == 0)
-
-
-def modes_from_groups(t, spline, group):
-    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): after each group
-    product, frexp moves the running product's scale into an integer exponent, so M never
-    under- or overflows however many factors it has. Also returns whether every group product
-    was exact: a product of g factors is, if every |phi_d| <= 2^k (k = floor(62 / g)) and the
-    product >= 2^(kg - 126), for then every partial product is a normal float32. |phi_d| <=
-    max |S| (phi_d is a convex mix of rows of S), so that bound is checked on S."""
-    _, heads, n = t.shape
-    mantissa = t.new_ones(heads, n, spline.shape[-1])
-    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-    bspline, products_of_groups, _ = kernels_for(t, spline)
-    index, values, _ = bspline(t, spline.shape[2])
-    smallest = []
-    for d in seed_chunks(t, spline.shape[-1], group):
-        products = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
-        smallest.append(products.abs().amin())
-        for product in products.unbind(0):
-            mantissa, scale = torch.frexp(mantissa * product)
-            exponent = exponent + scale
-    k = 62 // group
-    factors_small = spline.abs().amax() <= 2.0**k
-    products_large = torch.stack(smallest).amin() >= 2.0 ** (k * group - 126)
-    exact = group == 1 or bool(factors_small & products_large)  # one wait for a GPU, not one per chunk
-    return torch.ldexp(mantissa, exponent), exact
-
-
-class SeparableProduct(torch.autograd.Function):
-    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
-
-    phi, [d_seed, h, N, r], is LEV's one big tensor, and it is never written: the fused forward
-    multiplies each phi_d into a group product as it is made, and the backward makes it again
-    from t. Only t, S and M are saved.
-
-    (R) A plain product of 128 factors can under- or overflow float32, so M is carried as
-    mantissa * 2^exponent (see modes_from_groups), with groups of up to 16 factors multiplied
-    directly where that is provably exact and, if any is not (rare), one factor at a time.
-    That is the exact product, as generate_reference's sign * exp(sum_d log|phi_d|) is,
-    without a logarithm per factor. The check costs one wait for the GPU per call, which
-    torch.unique in LEV.forward already pays.
-
-    Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
-    matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
-    backward; phi and M never go through a matmul)."""
-
-    @staticmethod
-    def forward(ctx, t, spline):
-        modes, exact = modes_from_groups(t, spline, product_group(len(t)))
-        if not exact:
-            modes, _ = modes_from_groups(t, spline, 1)
-        ctx.save_for_backward(t, spline, modes)
-        return modes
-
-    @staticmethod
-    def backward(ctx, grad_modes):
-        t, spline, modes = ctx.saved_tensors
-        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
-        grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
-        bspline, _, gradients = kernels_for(t, spline)
-        index, values, slopes = bspline(t, spline.shape[2])
-        for d in seed_chunks(t, spline.shape[-1]):
-            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d], grad_times_modes)
-            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
-        return grad_t, grad_spline
-
-
-@torch.compiler.disable
-def separable_modes(t, spline):
-    """SeparableProduct kept out of the model's torch.compile: traced, its backward's rebuilt
-    phi would be merged with the forward's, and phi saved after all. Its kernels are
-    compiled on their own (Fused), each with no view of the others."""
-    return SeparableProduct.apply(t, spline)
+def bspline_basis(t, knots):
+    """Step 3c: B_m(t) = beta((t - g_m)(kappa - 1)) on the knots g_m = m / (kappa - 1), for every
+    m: [...] -> [..., kappa]. beta is the centred quadratic B-spline: 0.75 - x^2 for |x| < 0.5,
+    (1.5 - |x|)^2 / 2 for |x| < 1.5, else 0; at most 3 of the kappa values are non-zero.
+    (R) Normalised to a partition of unity: at the two end knots a neighbour falls outside
+    [0, 1], and the raw sum would dip to 0.875 there."""
+    x = t.unsqueeze(-1) * (knots - 1) - torch.arange(knots, device=t.device)  # (t - g_m)(kappa - 1)
+    beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
+    return beta / beta.sum(-1, keepdim=True)
 
 
 class LEV(nn.Module):
-    """Learned embedding vectorization (steps 1-4 of the README's method).
-
-    i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
+    """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
       -> per head l: t = sigmoid(LayerNorm_l(W_l z)), phi_d = sum_m B_m(t_d) S_l[d, m]
       -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
-    """
+    generate_reference is these equations written out; generate is the same computation on
+    the fast path (end of this file), and the tests hold the two together."""
 
     def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64):
         super().__init__()
         self.vocab_size, self.d_model = vocab_size, d_model
         self.digits, self.knots = digits, knots
         self.base = lev_base(vocab_size, digits)
-        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C
-        self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l
-        self.norm_weight = nn.Parameter(torch.empty(heads, seed_dim))
-        self.norm_bias = nn.Parameter(torch.empty(heads, seed_dim))
+        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C: k codebooks C_j
+        self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l, no bias
+        self.norm_weight = nn.Parameter(torch.empty(heads, seed_dim))  # LayerNorm_l's weight
+        self.norm_bias = nn.Parameter(torch.empty(heads, seed_dim))  # and bias
         self.spline = nn.Parameter(torch.empty(heads, seed_dim, knots, rank))  # S_l
         self.out_proj = nn.Parameter(torch.empty(heads, rank, d_model))  # W_out_l
         self.reset_parameters()
@@ -275,55 +160,47 @@ class LEV(nn.Module):
         nn.init.normal_(self.spline, mean=1.0, std=0.1)
         nn.init.normal_(self.out_proj, std=0.02 / math.sqrt(heads))
 
-    def generate(self, ids):
-        """E_i for a 1-D tensor of ids: [N] -> [N, D], computed in float32; the fast
-        version of generate_reference below, step by step the same computation.
-
-        (R) LEV is tiny in FLOPs but a product of d_seed factors is fragile in bf16,
-        so autocast is switched off and the output is float32, just as an
-        nn.Embedding lookup stays float32 under autocast."""
-        with torch.autocast(ids.device.type, enabled=False):
-            digits = to_digits(ids, self.base, self.digits)  # 1: [N, k]
-            z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
-            u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z for every head l
-            u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
-            t = torch.sigmoid(u).permute(2, 0, 1).contiguous()  # 3b: [d_seed, h, N], each t_d in (0, 1)
-            modes = separable_modes(t, self.spline)  # 3c, 3d, 3e: M_l, [h, N, r]
-            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: sum_l W_out_l M_l
+    def coordinates(self, ids):
+        """Steps 1-3b, shared by both paths: ids [N] -> t [h, N, d_seed], every t_d in (0, 1)."""
+        digits = to_digits(ids, self.base, self.digits)  # 1: [N, k]
+        # F.embedding, not C[j, digits]: indexing's backward adds the gradients of repeated
+        # digits in a varying order on a multi-threaded CPU (not bit-exact)
+        z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
+        u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
+        u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
+        return torch.sigmoid(u)  # 3b
 
     def generate_reference(self, ids):
-        """generate() written straight from the method's equations, to read and to test against: B_m(t) on
-        every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|) directly, all of
-        B and phi ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry."""
-        digits = to_digits(ids, self.base, self.digits)  # 1
-        z = sum(self.codebooks[j, digits[:, j]] for j in range(self.digits))  # 2
-        u = F.layer_norm(torch.einsum("nd,hde->hne", z, self.seed_proj), z.shape[-1:], eps=1e-5)
-        u = u * self.norm_weight[:, None] + self.norm_bias[:, None]  # 3a
-        t = torch.sigmoid(u)  # 3b: [h, N, d_seed]
-        x = t.unsqueeze(-1) * (self.knots - 1) - torch.arange(self.knots, device=t.device)  # (t - g_m)(kappa - 1)
-        beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
-        basis = beta / beta.sum(-1, keepdim=True)  # 3c, (R) normalised
-        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d
-        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e, (R) sign * exp(sum log|phi|)
-        return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
+        """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations: B_m(t)
+        on every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|), all of B and phi
+        ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this one."""
+        t = self.coordinates(ids)  # 1-3b: [h, N, d_seed]
+        basis = bspline_basis(t, self.knots)  # 3c: [h, N, d_seed, kappa]
+        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d: phi_d = sum_m B_m(t_d) S_l[d, m]
+        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e, (R) M_l = sign * exp(sum log|phi|)
+        return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: E_i = sum_l W_out_l M_l
+
+    def generate(self, ids):
+        """generate_reference's E_i on the fast path: the product M_l (steps 3c-3e) by
+        separable_modes, which never writes phi and keeps M exact (mantissa x 2^exponent).
+
+        (R) LEV runs in float32, even under bf16 autocast: it is tiny in FLOPs, but a product of
+        d_seed factors each rounded to bf16's 8-bit mantissa loses most of its precision. The
+        output is float32, as an nn.Embedding lookup stays float32 under autocast."""
+        with torch.autocast(ids.device.type, enabled=False):
+            t = self.coordinates(ids).permute(2, 0, 1).contiguous()  # 1-3b: [d_seed, h, N]
+            modes = separable_modes(t, self.spline)  # 3c-3e: M_l, [h, N, r]
+            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
 
     @torch.compiler.disable
     def forward(self, ids):
-        """ids of any shape -> [..., D]. LEV depends only on the id, so it is
-        evaluated once per *distinct* id in the batch and gathered back: a batch of
-        262k tokens has only ~30k distinct o200k ids. The number of distinct ids
-        changes every batch, so this stays outside torch.compile (a graph break):
-        the backbone after it always sees [B, T, D] and is compiled once."""
+        """ids of any shape -> [..., D]. LEV depends only on the id, so it is evaluated once per
+        *distinct* id in the batch and gathered back: a batch of 262k tokens has only ~30k
+        distinct o200k ids. Their number changes every batch, so torch.unique stays outside
+        torch.compile, and the backbone after it always sees [B, T, D]."""
         unique, inverse = torch.unique(ids, return_inverse=True)
-        # F.embedding, not generate(unique)[inverse]: the backward of indexing adds the
-        # gradients of repeated ids in a varying order on a multi-threaded CPU (not bit-exact)
+        # F.embedding, not generate(unique)[inverse]: bit-exact gradients (see coordinates)
         return F.embedding(inverse, self.generate(unique))
-
-    def compile_generator(self, **compile_options):
-        """torch.compile the generator for any number of ids (dynamic=True: one graph
-        whatever N is). It fuses the small steps around separable_modes, which stays
-        eager (see there); Model.compile calls this."""
-        self.generate = torch.compile(self.generate, dynamic=True, **compile_options)
 
     @torch.no_grad()
     def as_table(self, chunk=1024):
@@ -419,86 +296,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
-
-
-# -----------------------------------------------------------------------------
-# Configuration and sizes
-
-EMBEDDINGS = ("lev", "tied", "untied")
-
-
-@dataclass(frozen=True)
-class Config:
-    vocab_size: int = 200_064  # o200k_base's 200,019 ids padded to a multiple of 128
-    d_model: int = 2048
-    n_layer: int = 16
-    n_head: int = 16
-    seq_len: int = 512  # the paper's v1 sequence length
-    embedding: str = "lev"  # lev: Leviathan | tied: the paper's baseline | untied: ablation
-    rope_theta: float = 10_000.0
-    lev_digits: int = 3  # k
-    lev_seed_dim: int = 128  # d_seed
-    lev_heads: int = 8  # h
-    lev_knots: int = 16  # kappa
-    lev_rank: int = 64  # r
-
-    def __post_init__(self):
-        """Refuse shapes that would crash later or train something that is not the method."""
-        if self.embedding not in EMBEDDINGS:
-            raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
-        for name, least, why in [("vocab_size", 2, "a vocabulary"), ("d_model", 2, "a model width"),
-                                 ("n_layer", 1, "a block"), ("n_head", 1, "an attention head"),
-                                 ("seq_len", 1, "a position"), ("lev_digits", 1, "a digit"),
-                                 ("lev_seed_dim", 2, "LayerNorm over z's coordinates"),
-                                 ("lev_heads", 1, "a LEV head"),
-                                 ("lev_knots", 3, "the quadratic B-spline spans three knots; with one, "
-                                                  "every id gets the same embedding"),
-                                 ("lev_rank", 1, "a mode")]:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name}={value}: must be an integer >= {least} ({why})")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta}: must be > 0 (the rotary base)")
-        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
-            raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads "
-                             "(rotary embeddings rotate pairs of dimensions)")
-
-    @property
-    def ffn_dim(self):
-        """SwiGLU hidden size: 8/3 d (same parameters as a 4d GELU MLP), rounded up to 128."""
-        return -(-8 * self.d_model // 3 // 128) * 128
-
-    @classmethod
-    def from_size(cls, name, **overrides):
-        if name not in SIZES:
-            raise ValueError(f"unknown size {name!r}; choose one of {', '.join(SIZES)}")
-        return replace(SIZES[name], **overrides)
-
-
-def padded_vocab(n_ids):
-    """Round the tokenizer's id count up to a multiple of 128 (tensor-core friendly).
-    The padding rows are never targets and are masked out when sampling."""
-    return -(-n_ids // 128) * 128
-
-
-# One shape rule for the paper's sizes: heads of 128 dims, SwiGLU of 8/3 d, and the depth
-# that brings the *tied* model (embedding included, as the paper counts) closest to its
-# nominal size with o200k_base. D = 2048 at 1.2B is the paper's; the paper does not publish
-# the other widths or any depth, so 768 and 1024 are the usual GPT-2/LLaMA widths.
-# The o200k table is 154M of the 200M model, which leaves it only 7 layers.
-#   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (test_size_presets checks)
-SIZES = {
-    # tiny: trains on a 2-core CPU in minutes on the demo corpus (8,192-id vocabulary);
-    # heads of 32 dims here, as 128-dim heads would leave a 128-wide model one head.
-    # LEV keeps its d_seed = 128 factors and kappa = 16 knots but has h * r = D modes
-    # (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would cost more
-    # per distinct id than the whole backbone costs per token.
-    "tiny": Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256,
-                   lev_heads=4, lev_rank=32),
-    "200m": Config(d_model=768, n_layer=7, n_head=6),
-    "400m": Config(d_model=1024, n_layer=15, n_head=8),
-    "1.2b": Config(d_model=2048, n_layer=16, n_head=16),
-}
 
 
 # -----------------------------------------------------------------------------
@@ -648,11 +445,8 @@ class Model(nn.Module):
                        self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place (state_dict keys unchanged). LEV's generator is compiled on
-        its own, for any number of ids; its torch.unique stays outside the model's graph."""
-        if self.cfg.embedding == "lev":
-            self.lev.compile_generator(**options)
-        super().compile(dynamic=dynamic, **options)
+        """torch.compile in place; what is compiled and what is not: compile_model, at the end."""
+        compile_model(self, dynamic, **options)
 
     @torch.no_grad()
     def freeze_lev(self):
@@ -701,3 +495,352 @@ class Model(nn.Module):
         for group in groups:
             group["lr"] = lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
+
+# -----------------------------------------------------------------------------
+# Generation: the next token from the logits, and a sample token by token
+
+
+def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_valid=None):
+    """One token id from last-position logits [V]. temperature 0 = greedy; top_k 0 and
+    top_p 1 switch those filters off. Ids >= n_valid are padding rows of the head that the
+    tokenizer cannot decode: a trained model gives them low scores, but not -inf."""
+    logits = logits.float().clone()
+    if n_valid is not None:
+        logits[n_valid:] = float("-inf")
+    if temperature == 0:
+        return int(logits.argmax())
+    logits /= temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        # Nucleus: keep the most likely ids until their mass reaches top_p; the id that
+        # crosses the line is kept, so at least one always survives.
+        probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
+        outside = probs.cumsum(-1) - probs >= top_p
+        logits[order[outside]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+             generator=None, use_cache=True, stop_id=None, n_valid=None):
+    """Iterator over up to max_new_tokens new ids that continue prompt_ids (a list of ints,
+    1 to seq_len of them). It ends early when stop_id is sampled (stop_id is not yielded).
+    use_cache=False reruns the whole context every step: slow, kept as the reference the
+    cache is tested against. Both paths apply the same context policy (in _generate)."""
+    if not 1 <= len(prompt_ids) <= model.cfg.seq_len:
+        raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, got {len(prompt_ids)}")
+    return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p,
+                     generator, use_cache, stop_id, n_valid)
+
+
+def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, use_cache, stop_id, n_valid):
+    device, seq_len = model.head.weight.device, model.cfg.seq_len
+    # Context policy: the model sees at most seq_len tokens, tokens[start:]. When one more
+    # would not fit, the window jumps to the last seq_len // 2 tokens. Cached keys carry
+    # their rotary positions, so a window that slid by one token would need a full
+    # re-read at every step (no faster than no cache); jumping by half re-reads seq_len/2
+    # tokens once per seq_len/2 new ones, about one extra position per token.
+    keep = max(1, seq_len // 2)
+    start, cache = 0, None
+    for _ in range(max_new_tokens):
+        if len(tokens) - start > seq_len:
+            start, cache = len(tokens) - keep, None
+        if not use_cache:
+            new = tokens[start:]
+        elif cache is None:  # (re)fill: the whole window at once, from position 0
+            cache, new = model.new_cache(1), tokens[start:]
+        else:  # the cache holds tokens[start:-1]; feed only the last one
+            new = tokens[-1:]
+        with torch.no_grad():  # around the forward only: grad mode must not leak to the caller between yields
+            logits = model(torch.tensor([new], device=device), cache=cache if use_cache else None)[0, -1]
+        next_id = sample_next(logits, temperature, top_k, top_p, generator, n_valid)
+        if next_id == stop_id:
+            return
+        tokens.append(next_id)
+        yield next_id
+
+
+# -----------------------------------------------------------------------------
+# Sizes: the model's shape and train.py's defaults, one row per size
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: Config
+    dataset: str  # train.py reads data/<dataset>/ (prepare_data.py writes it)
+    total_tokens: int  # the training budget
+    batch_tokens: int  # tokens per optimizer step
+    micro_batch: int  # sequences per GPU per forward pass
+    lr: float  # the backbone's peak AdamW rate
+    warmup_steps: int
+    eval_interval: int  # steps
+    eval_tokens: int
+    ckpt_interval: int  # steps
+    lr_scales: dict  # arm -> (lr_input, lr_head), multipliers of lr (Model.configure_optimizers)
+
+
+# (lr_input, lr_head) per arm: the best on the tuning half of the CPU-scale study (study/README.md,
+# D = 128): the tied table and the zero-initialised untied head want ~30x the backbone's rate,
+# LEV ~0.3x. Not measured at any other width; every size uses them unchanged.
+STUDY_LR_SCALES = {"lev": (0.3, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)}
+
+# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter).
+# Learning rate, warmup and decay, which it does not publish, are conservative GPT-3/Pythia
+# values (LEV's product spikes at too high a rate). One shape rule: heads of 128 dims, SwiGLU of
+# 8/3 D, and the depth that brings the *tied* model (embedding included, as the paper counts)
+# closest to its nominal size with o200k_base. D = 2048 at 1.2B is the paper's; it publishes no
+# other width and no depth, so 768 and 1024 are the usual GPT-2/LLaMA widths. The o200k table
+# is 154M of the 200M model, which leaves it 7 layers.
+#   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (test_size_presets_match_the_paper)
+PAPER = dict(dataset="pile", batch_tokens=512 * 512, micro_batch=16, warmup_steps=1000, eval_interval=1000,
+             eval_tokens=1 << 22, ckpt_interval=1000, lr_scales=STUDY_LR_SCALES)
+SIZES = {
+    # tiny: minutes on a 2-core CPU on the demo corpus (8,192-id vocabulary), 660 steps; lr 3e-3
+    # trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
+    # would leave a 128-wide model one head. LEV keeps d_seed = 128 and kappa = 16 but has
+    # h * r = D modes (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would
+    # cost more per distinct id than the whole backbone costs per token.
+    "tiny": Preset(Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256, lev_heads=4, lev_rank=32),
+                   dataset="demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
+                   warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200,
+                   lr_scales=STUDY_LR_SCALES),
+    "200m": Preset(Config(d_model=768, n_layer=7, n_head=6), total_tokens=4_200_000_000, lr=6e-4, **PAPER),
+    "400m": Preset(Config(d_model=1024, n_layer=15, n_head=8), total_tokens=8_400_000_000, lr=3e-4, **PAPER),
+    "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4, **PAPER),
+}
+
+
+# -----------------------------------------------------------------------------
+# LEV's fast path: generate_reference's steps 3c-3e, the same arithmetic, without its cost
+#
+# Written out, steps 3c-3e hold a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r]
+# for the backward: at the paper's sizes ~1 GB for a few hundred ids. Here:
+# - Only the 3 non-zero B_m(t_d) are made (bspline_nonzero), once per call, as small planes.
+# - phi_d = the 3 rows of S around t_d's nearest knot mixed by those values: float32
+#   multiply-adds, no matmul, so exact float32 on any device (group_products).
+# - phi is never written to memory: compiled into one fused kernel (C++ on a CPU, Triton on a
+#   GPU), each phi_d is made in registers and multiplied into its group's product at once; the
+#   backward (product_gradients) makes phi again from t. Only t, S and M are saved.
+# - (R) The product of d_seed factors cannot under- or overflow: M is carried as
+#   mantissa x 2^exponent, groups of up to 16 factors multiplied directly where that is
+#   provably exact (modes_from_groups). The same product as sign * exp(sum log|phi_d|),
+#   without a logarithm per factor.
+# - The coordinates are worked through in chunks (seed_chunks), so memory stays bounded.
+
+
+def bspline_nonzero(t, knots):
+    """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
+    only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
+    in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
+    Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
+    (int32, clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
+    position = t * (knots - 1)
+    nearest = position.round()
+    f = position - nearest
+    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead, so each plane is contiguous
+    a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
+                           device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
+    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
+    inside = (neighbours >= 0) & (neighbours < knots)
+    values, slopes = (a + b * f + c * f**2) * inside, (b + 2 * c * f) * inside * (knots - 1)
+    # (R) Normalised as in bspline_basis: at the two end knots a neighbour falls outside [0, kappa).
+    total = values.sum(0)
+    values = values / total
+    slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
+    return neighbours.clamp_(0, knots - 1).int(), values, slopes
+
+
+def knot_rows(spline, index):
+    """S_l[d, m] at the 3 knots m = index[j] of each (d, l, n): three [d, h, N, r] tensors.
+    Compiled, they are indirect loads inside the kernel and never written to memory."""
+    heads, seed_dim = spline.shape[:2]
+    d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
+    head = torch.arange(heads, device=index.device).view(1, -1, 1)
+    return [spline[head, d, index[j]] for j in range(3)]
+
+
+def mix_rows(rows, weights):
+    """sum_j weights[j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d with
+    their slopes; three float32 multiply-adds per element."""
+    return sum(row * weights[j, ..., None] for j, row in enumerate(rows))
+
+
+# The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
+# of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
+# again for every r-vector of phi, which costs LEV's forward + backward 4-10% more on a CPU.
+
+
+def group_products(index, values, spline, group):
+    """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
+    sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
+    no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
+    coordinates: [d / group, h, N, r]. Compiled (Fused, below), phi lives in registers only."""
+    phi = mix_rows(knot_rows(spline, index), values)
+    return phi.unflatten(0, (-1, group)).prod(1)
+
+
+def product_gradients(index, values, slopes, spline, grad_times_modes):
+    """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
+    q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
+    (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
+    basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
+    rows = knot_rows(spline, index)
+    phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
+    q = grad_times_modes / phi
+    knots = torch.arange(spline.shape[2], device=index.device)
+    basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
+    return q, (q * phi_slope).sum(-1), basis
+
+
+# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
+# group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
+# backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
+# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is ~3 MB.
+CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
+
+
+def seed_chunks(t, rank, multiple=1):
+    """Slices of the seed coordinates d, each a multiple of `multiple` long."""
+    seed_dim, heads, n = t.shape
+    budget = CHUNK_FLOATS_CPU if t.device.type == "cpu" else CHUNK_FLOATS_GPU
+    size = max(1, budget // (heads * n * rank)) // multiple * multiple or multiple
+    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
+
+
+def product_group(seed_dim):
+    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 16.
+    The exactness bound below is then |S| <= 8; trained S stays within 0.4-1.6."""
+    return max(g for g in range(1, 17) if seed_dim % g == 0)
+
+
+def modes_from_groups(t, spline, group):
+    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): after each group
+    product, frexp moves the running product's scale into an integer exponent, so M never
+    under- or overflows however many factors it has. Also returns whether every group product
+    was exact: a product of g factors is, if every |phi_d| <= 2^k (k = floor(62 / g)) and the
+    product >= 2^(kg - 126), for then every partial product is a normal float32. |phi_d| <=
+    max |S| (phi_d is a convex mix of rows of S), so that bound is checked on S."""
+    _, heads, n = t.shape
+    mantissa = t.new_ones(heads, n, spline.shape[-1])
+    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
+    bspline, products_of_groups, _ = kernels_for(t, spline)
+    index, values, _ = bspline(t, spline.shape[2])
+    smallest = []
+    for d in seed_chunks(t, spline.shape[-1], group):
+        products = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
+        smallest.append(products.abs().amin())
+        for product in products.unbind(0):
+            mantissa, scale = torch.frexp(mantissa * product)
+            exponent = exponent + scale
+    k = 62 // group
+    factors_small = spline.abs().amax() <= 2.0**k
+    products_large = torch.stack(smallest).amin() >= 2.0 ** (k * group - 126)
+    exact = group == 1 or bool(factors_small & products_large)  # one wait for a GPU, not one per chunk
+    return torch.ldexp(mantissa, exponent), exact
+
+
+class SeparableProduct(torch.autograd.Function):
+    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
+
+    phi, [d_seed, h, N, r], is LEV's one big tensor, and it is never written: the fused forward
+    multiplies each phi_d into a group product as it is made, and the backward makes it again
+    from t. Only t, S and M are saved.
+
+    (R) A plain product of 128 factors can under- or overflow float32, so M is carried as
+    mantissa * 2^exponent (see modes_from_groups), with groups of up to 16 factors multiplied
+    directly where that is provably exact and, if any is not (rare), one factor at a time.
+    That is the exact product, as generate_reference's sign * exp(sum_d log|phi_d|) is,
+    without a logarithm per factor. The check costs one wait for the GPU per call (bool(exact)).
+
+    Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
+    matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
+    backward; phi and M never go through a matmul)."""
+
+    @staticmethod
+    def forward(ctx, t, spline):
+        modes, exact = modes_from_groups(t, spline, product_group(len(t)))
+        if not exact:
+            modes, _ = modes_from_groups(t, spline, 1)
+        ctx.save_for_backward(t, spline, modes)
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        t, spline, modes = ctx.saved_tensors
+        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
+        grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
+        bspline, _, gradients = kernels_for(t, spline)
+        index, values, slopes = bspline(t, spline.shape[2])
+        for d in seed_chunks(t, spline.shape[-1]):
+            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d], grad_times_modes)
+            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
+        return grad_t, grad_spline
+
+
+@torch.compiler.disable
+def separable_modes(t, spline):
+    """SeparableProduct, kept out of every compiled graph (see "What torch.compile sees")."""
+    return SeparableProduct.apply(t, spline)
+
+
+# -----------------------------------------------------------------------------
+# What torch.compile sees: every decision, in one place
+#
+# 1. The product's three kernels (bspline_nonzero, group_products, product_gradients) are
+#    compiled on their own, whether or not the model is (Fused, below): phi stays in registers
+#    only if they are. A call with fewer than FUSE_MIN_FLOATS floats of phi (a test-sized LEV)
+#    runs them eagerly: compiling costs seconds, once per process, which such a call never repays.
+# 2. separable_modes, which calls them, stays out of every other graph (torch.compiler.disable):
+#    traced, its backward's rebuilt phi would be merged with the forward's, and phi saved after all.
+# 3. LEV.forward stays out too (torch.compiler.disable): torch.unique's output size changes with
+#    every batch, and the backbone after it should see one shape.
+# 4. compile_model: the model in place (backbone, head, loss), and LEV.generate on its own for
+#    any number of ids (dynamic=True), which fuses the small steps around the product.
+
+FUSE_MIN_FLOATS = 1 << 20
+
+
+class Fused:
+    """fn compiled by torch.compile into one kernel per call (inductor: C++ loops on a CPU,
+    Triton on a GPU). Where compiling fails (no C++ compiler, an unsupported GPU), fn runs
+    eagerly: the same result, slower, with one warning line for all the kernels."""
+    warned = False
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # a real bug fails again below, eagerly
+                if not Fused.warned:
+                    reason = str(error).split("\n")[0]
+                    print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
+                    Fused.warned = True
+                self.compiled = None
+        return self.fn(*args)
+
+
+KERNELS = bspline_nonzero, group_products, product_gradients
+FUSED_KERNELS = tuple(Fused(kernel) for kernel in KERNELS)
+
+
+def kernels_for(t, spline):
+    """(bspline_nonzero, group_products, product_gradients) for this call: fused where it pays
+    for compiling."""
+    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
+
+
+def compile_lev(lev, **options):
+    """LEV.generate compiled for any number of ids; its product stays eager (2.), its kernels fused (1.)."""
+    lev.generate = torch.compile(lev.generate, dynamic=True, **options)
+
+
+def compile_model(model, dynamic=None, **options):
+    """torch.compile the model in place (its state_dict keys unchanged), LEV's generator on its own."""
+    if model.cfg.embedding == "lev":
+        compile_lev(model.lev, **options)
+    nn.Module.compile(model, dynamic=dynamic, **options)

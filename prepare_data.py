@@ -5,7 +5,7 @@
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
     python prepare_data.py --max_tokens=1_000_000_000 --shard_tokens=100_000_000
 
-The shards, meta.json and counts.npy it writes are described in common.py (the shard format).
+The shards, meta.json and counts.npy it writes are described in data.py (the shard format).
 Interrupted? Run the same command again: it resumes after the last complete shard.
 """
 import functools, glob, json, os, platform, shlex, socket, sys, time, urllib.parse
@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common import (HEADER_INTS, VERSION, ArgumentParser, ShardWriter, UserError, atomic_write, demo_documents,
-                    get_tokenizer, print_error, read_shard, shard_paths, token_dtype, write_json)
+from cli import ArgumentParser, UserError, print_error
+from data import (HEADER_INTS, VERSION, ShardWriter, atomic_write, demo_documents, get_tokenizer, read_shard, shard_paths,
+                  token_dtype, write_json)
 
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
 

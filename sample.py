@@ -14,7 +14,9 @@ import sys, time
 
 import torch
 
-from common import ArgumentParser, UserError, check_device, generate, load_model, parse_bool, run_main
+from checkpoint import load_model
+from cli import ArgumentParser, UserError, check_device, parse_bool, run_main
+from leviathan import generate
 
 
 class TextStream:

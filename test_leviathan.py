@@ -1,14 +1,14 @@
 """The test suite: python -m pytest -q test_leviathan.py (CPU only, no network).
 
 Sections, in pipeline order (search for the heading):
-    data         common.py's shards and tokenizer, prepare_data.py
-    LEV          leviathan.LEV against the method written out
+    data         data.py's shards and tokenizer, prepare_data.py
+    LEV          leviathan.LEV against the method written out, and its fast path against it
     the model    the backbone, the three arms, the loss, torch.compile
     train.py     training, resuming, DDP, checkpoints, evaluation, bad input
     sample.py    generation, the frozen LEV table, decoding, the command line
     evaluate.py  the lm-eval adapter and its command line
-    study.py     the CPU-scale study's data split, table and errors
-    the rest     bench.py's options, the README's test command
+    study.py     the CPU-scale study (study/study.py): its data split, table and errors
+    the rest     which module imports which, bench.py's options, the README's test command
 """
 import ast
 import dataclasses
@@ -38,14 +38,16 @@ import torch
 import torch.nn.functional as F
 import zstandard
 
-import common
+import checkpoint
+import data
 import evaluate
 import leviathan
 import prepare_data as prep
 import sample
-import study
 import train
-from common import UserError, generate, load_model, sample_next, tokenizer_from_meta
+from checkpoint import load_model
+from cli import UserError
+from data import tokenizer_from_meta
 from evaluate import LeviathanLM, scoring_windows
 from leviathan import (
     EMBEDDINGS,
@@ -55,12 +57,18 @@ from leviathan import (
     Model,
     SeparableProduct,
     bspline_nonzero,
+    generate,
     lev_base,
+    sample_next,
     to_digits,
 )
 from sample import TextStream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The study lives in its own folder and runs as `python study/study.py`; imported here by path.
+_spec = importlib.util.spec_from_file_location("study", os.path.join(HERE, "study", "study.py"))
+study = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study)
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -134,7 +142,7 @@ def _write_parquet(path, docs):
 
 
 def _split_tokens(out_dir, split):
-    return np.concatenate([np.asarray(common.read_shard(p)) for p in common.shard_paths(out_dir, split)])
+    return np.concatenate([np.asarray(data.read_shard(p)) for p in data.shard_paths(out_dir, split)])
 
 
 @pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "parquet", "txt"])
@@ -155,7 +163,7 @@ def test_round_trip_local_formats(tmp_path, fmt):
         src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
     out = tmp_path / "out"
     meta = prep.prepare([f"--dataset={src}", f"--out_dir={out}", "--val_fraction=0.25", "--shard_tokens=13"])
-    tok = tokenizer_from_meta(common.load_meta(out))
+    tok = tokenizer_from_meta(data.load_meta(out))
     eot = "<|endoftext|>"
     for split, keep in [("train", lambda i: i % 4 != 0), ("val", lambda i: i % 4 == 0)]:
         docs = [d for i, d in enumerate(DOCS) if keep(i)]
@@ -163,8 +171,8 @@ def test_round_trip_local_formats(tmp_path, fmt):
         assert tok.decode(tokens) == "".join(d + eot for d in docs)
         assert (tokens == tok.eot).sum() == len(docs)  # the literal "<|endoftext|>" is not the separator
         assert meta["splits"][split] == {"tokens": len(tokens), "documents": len(docs),
-                                         "shards": len(common.shard_paths(out, split))}
-        assert all(len(common.read_shard(p)) == 13 for p in common.shard_paths(out, split)[:-1])
+                                         "shards": len(data.shard_paths(out, split))}
+        assert all(len(data.read_shard(p)) == 13 for p in data.shard_paths(out, split)[:-1])
     assert meta["tokenizer"] == "o200k_base" and meta["tokenizer_vocab_size"] is None
     assert meta["vocab_size"] == 200019 and meta["eot_id"] == 199999 and meta["dtype"] == "uint32"
     assert meta["command"].startswith("python prepare_data.py --dataset=")
@@ -175,32 +183,32 @@ def test_round_trip_local_formats(tmp_path, fmt):
 
 def test_header_validation(tmp_path):
     path = str(tmp_path / "train_000000.bin")
-    common.write_shard(path, np.arange(100), vocab_size=1000)
-    assert np.array_equal(common.read_shard(path), np.arange(100))
+    data.write_shard(path, np.arange(100), vocab_size=1000)
+    assert np.array_equal(data.read_shard(path), np.arange(100))
     good = open(path, "rb").read()
     cases = [(good[:-2], "truncated"), (good[:100], "shorter than"),
              (np.int32(123).tobytes() + good[4:], "magic"),
              (good[:4] + np.int32(99).tobytes() + good[8:], "version"),
              (good[:8] + np.int32(4).tobytes() + good[12:], "bytes per token")]
-    for data, words in cases:
-        open(path, "wb").write(data)
+    for damaged, words in cases:
+        open(path, "wb").write(damaged)
         with pytest.raises(UserError, match=words) as err:
-            common.read_shard(path)
+            data.read_shard(path)
         assert path in str(err.value)
     with pytest.raises(UserError, match="prepare_data.py"):
-        common.load_meta(tmp_path)
+        data.load_meta(tmp_path)
 
 
 def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
     big = np.array([0, 65535, 65536, 199999, 200018], dtype=np.int64)
-    common.write_shard(tmp_path / "a.bin", big, vocab_size=200019)
-    back = common.read_shard(tmp_path / "a.bin")
+    data.write_shard(tmp_path / "a.bin", big, vocab_size=200019)
+    back = data.read_shard(tmp_path / "a.bin")
     assert back.dtype == np.uint32 and np.array_equal(back, big)
     assert os.path.getsize(tmp_path / "a.bin") == 1024 + 4 * len(big)
-    common.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
-    assert common.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
+    data.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
+    assert data.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
     with pytest.raises(ValueError):
-        common.write_shard(tmp_path / "c.bin", [70000], vocab_size=65536)  # would wrap around in uint16
+        data.write_shard(tmp_path / "c.bin", [70000], vocab_size=65536)  # would wrap around in uint16
     assert not os.path.exists(tmp_path / "c.bin") and not os.path.exists(tmp_path / "c.bin.tmp")
 
 
@@ -209,7 +217,7 @@ def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, alig
     docs = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(60)]
     shard = 50
     if aligned:  # every shard ends exactly at a document end
-        tok = common.get_tokenizer("o200k_base", 1000)
+        tok = data.get_tokenizer("o200k_base", 1000)
         candidates = [f"document {i} is here" for i in range(3000)]
         lengths = [len(ids) for ids in tok.encode_batch(candidates)]
         n = Counter(lengths).most_common(1)[0][0]
@@ -220,7 +228,7 @@ def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, alig
     args = [f"--dataset={tmp_path / 'c.jsonl.zst'}", f"--shard_tokens={shard}", "--vocab_size=1000",
             "--max_tokens=1500"]
     prep.prepare(args + [f"--out_dir={tmp_path / 'clean'}"])
-    finish, calls, crashed = common.ShardWriter.finish, [], []
+    finish, calls, crashed = data.ShardWriter.finish, [], []
 
     def crash_on_fourth(self):  # Ctrl-C while the 4th shard is being finished (before its rename)
         calls.append(self.path)
@@ -228,12 +236,12 @@ def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, alig
             crashed.append(True)
             raise KeyboardInterrupt
         finish(self)
-    monkeypatch.setattr(common.ShardWriter, "finish", crash_on_fourth)
+    monkeypatch.setattr(data.ShardWriter, "finish", crash_on_fourth)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
     assert not (tmp_path / "resumed" / "meta.json").exists()
-    for p in common.shard_paths(tmp_path / "resumed", "train") + common.shard_paths(tmp_path / "resumed", "val"):
-        common.read_shard(p)  # every visible shard is complete
+    for p in data.shard_paths(tmp_path / "resumed", "train") + data.shard_paths(tmp_path / "resumed", "val"):
+        data.read_shard(p)  # every visible shard is complete
     done_before = len(calls) - 1
     calls.clear()
     prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
@@ -243,24 +251,24 @@ def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, alig
     for f in clean:
         assert (tmp_path / "clean" / f).read_bytes() == (tmp_path / "resumed" / f).read_bytes(), f
     assert len(calls) == len(clean) - 1 - done_before  # it resumed: finished shards were not redone
-    a, b = common.load_meta(tmp_path / "clean"), common.load_meta(tmp_path / "resumed")
+    a, b = data.load_meta(tmp_path / "clean"), data.load_meta(tmp_path / "resumed")
     assert a["splits"] == b["splits"] and a["splits"]["train"]["tokens"] == 1500
 
 
 def test_truncated_vocabulary_tokenizer():
-    tok = common.get_tokenizer("o200k_base", 1000)
+    tok = data.get_tokenizer("o200k_base", 1000)
     assert (tok.n_vocab, tok.eot, tok.name) == (1000, 999, "o200k_base")
     text = "The quick brown fox 🦊 jumps over naïve cafés; x = [i**2 for i in range(10)]\n" * 3
     ids = tok.encode(text)
     assert max(ids) < 999 and tok.decode(ids) == text
-    assert len(ids) > len(common.get_tokenizer("o200k_base").encode(text))  # genuinely fewer merges
+    assert len(ids) > len(data.get_tokenizer("o200k_base").encode(text))  # genuinely fewer merges
     assert tok.encode_batch([text, "hi"]) == [ids, tok.encode("hi")]
     assert tok.decode(tok.encode("<|endoftext|>") + [tok.eot]) == "<|endoftext|><|endoftext|>"
     assert tok.eot not in tok.encode("<|endoftext|>")
     with pytest.raises(UserError, match="vocab_size"):
-        common.get_tokenizer("o200k_base", 300000)
+        data.get_tokenizer("o200k_base", 300000)
     with pytest.raises(UserError, match="unknown tokenizer"):
-        common.get_tokenizer("no_such_encoding")
+        data.get_tokenizer("no_such_encoding")
 
 
 def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
@@ -279,10 +287,10 @@ def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
         return tiktoken.load.load_tiktoken_bpe(str(tmp_path / "o200k_base.tiktoken"), expected_hash)
     monkeypatch.setattr(public, "load_tiktoken_bpe", local_bpe)
     reference = tiktoken.Encoding(**public.o200k_base())
-    assert asked == {common.BUNDLED["o200k_base"][0]: common.BUNDLED["o200k_base"][1]}
+    assert asked == {data.BUNDLED["o200k_base"][0]: data.BUNDLED["o200k_base"][1]}
     cl_hash = re.search(r'cl100k_base\.tiktoken",\s*expected_hash="(\w+)"', inspect.getsource(public)).group(1)
-    assert cl_hash == common.BUNDLED["cl100k_base"][1]
-    tok = common.get_tokenizer("o200k_base")
+    assert cl_hash == data.BUNDLED["cl100k_base"][1]
+    tok = data.get_tokenizer("o200k_base")
     text = "Hello world! Leviathan's 12345 tokens:\n\tdef f(): return 'ok'  # 日本語 🐋 naïve"
     assert tok.encode(text) == reference.encode_ordinary(text)
     assert tok.encode("Hello world") == [13225, 2375]
@@ -292,7 +300,7 @@ def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
 def test_tokenizer_loads_offline_with_empty_cache(tmp_path):
     """A fresh process with an empty tiktoken cache and every download sent to a dead proxy: the
     bundled copy is put in the cache and used."""
-    code = "import common; assert common.get_tokenizer('cl100k_base').encode('Hello world') == [9906, 1917]"
+    code = "import data; assert data.get_tokenizer('cl100k_base').encode('Hello world') == [9906, 1917]"
     dead = "http://127.0.0.1:9"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=60,
                        env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "cache"), "HTTPS_PROXY": dead,
@@ -304,7 +312,7 @@ def test_tokenizer_loads_offline_with_empty_cache(tmp_path):
 def test_demo_prepares_the_builtin_corpus(tmp_path):
     r = run_script("prepare_data.py", "--dataset=demo", f"--out_dir={tmp_path / 'demo'}")
     assert r.returncode == 0, r.stderr
-    meta = common.load_meta(tmp_path / "demo")
+    meta = data.load_meta(tmp_path / "demo")
     assert (meta["vocab_size"], meta["tokenizer_vocab_size"], meta["eot_id"]) == (8192, 8192, 8191)
     assert meta["dtype"] == "uint16"
     assert meta["python_version"] == ".".join(map(str, sys.version_info[:3]))
@@ -357,14 +365,14 @@ def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
             "--shard_tokens=1000", "--vocab_size=2000", "--workers=1"]
     r = run_script("prepare_data.py", *args)
     assert_one_error_line(r.returncode, r.stderr, "c.jsonl:2501")
-    kept = common.shard_paths(tmp_path / "out", "train")  # those finished before the read-ahead reached line 2501
-    assert len(kept) > 3 and all(len(common.read_shard(p)) == 1000 for p in kept)
+    kept = data.shard_paths(tmp_path / "out", "train")  # those finished before the read-ahead reached line 2501
+    assert len(kept) > 3 and all(len(data.read_shard(p)) == 1000 for p in kept)
     before = {p: open(p, "rb").read() for p in kept}
     fixed = lines[:2500] + ['{"text": "repaired"}'] + lines[2500:]
     src.write_text("\n".join(fixed) + "\n")
     assert run_script("prepare_data.py", *args).returncode == 0
     assert all(open(p, "rb").read() == data for p, data in before.items())
-    tok = tokenizer_from_meta(common.load_meta(tmp_path / "out"))
+    tok = tokenizer_from_meta(data.load_meta(tmp_path / "out"))
     texts = [json.loads(line)["text"] for line in fixed]
     assert tok.decode(_split_tokens(tmp_path / "out", "train")) == "".join(t + "<|endoftext|>" for t in texts)
 
@@ -375,20 +383,20 @@ def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
     def fill_disk(self, tokens):
         if self.path.endswith("train_000003.bin"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        self.file.write(np.asarray(tokens).astype(common.token_dtype(self.vocab_size)).tobytes())
+        self.file.write(np.asarray(tokens).astype(data.token_dtype(self.vocab_size)).tobytes())
         self.n += len(tokens)
-    monkeypatch.setattr(common.ShardWriter, "append", fill_disk)
+    monkeypatch.setattr(data.ShardWriter, "append", fill_disk)
     src = tmp_path / "c.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(2000)) + "\n")
     code = prep.main([f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000",
                       "--vocab_size=2000", "--workers=1"])
     assert_one_error_line(code, capsys.readouterr().err, "No space left")
-    kept = common.shard_paths(tmp_path / "out", "train")
-    assert len(kept) == 3 and all(len(common.read_shard(p)) == 1000 for p in kept)
+    kept = data.shard_paths(tmp_path / "out", "train")
+    assert len(kept) == 3 and all(len(data.read_shard(p)) == 1000 for p in kept)
 
 
 def test_token_byte_lengths_count_utf8_bytes():
-    tok = common.get_tokenizer("o200k_base", 8192)
+    tok = data.get_tokenizer("o200k_base", 8192)
     lengths = tok.token_byte_lengths()
     text = "naïve café ☕ 日本語 — bytes, not characters"
     assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))
@@ -625,9 +633,8 @@ def fused_kernel_errors_under_triton_interpreter():
 
 
 def test_fused_kernels_match_eager_as_triton_kernels(monkeypatch):
-    """The GPU build of LEV's kernels (the issue's Triton-interpreter check): never run on a GPU
-    here, but its generated Triton code is, by Triton's interpreter, in a fresh process so that
-    nothing of it reaches the other tests. Needs `pip install triton` (torch's CUDA builds
+    """The GPU build of LEV's kernels: no GPU runs it here, but Triton's interpreter runs its
+    generated Triton code, in a fresh process so that nothing of it reaches the other tests. Needs `pip install triton` (torch's CUDA builds
     bring it; CI installs it)."""
     pytest.importorskip("triton", reason='needs triton: pip install "triton>=3.9,<3.10"')
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # for the new process, from its start
@@ -666,7 +673,7 @@ def test_compiled_generator_keeps_the_product_eager():
     lev = random_lev(0, seed_dim=16, heads=2, knots=8, rank=8)
     ids = torch.arange(50)
     expected = lev.generate(ids)
-    lev.compile_generator(backend=capturing_backend)
+    leviathan.compile_lev(lev, backend=capturing_backend)
     assert torch.allclose(lev.generate(ids), expected, atol=1e-6)
     assert graphs and not any("frexp" in code for code in graphs)
 
@@ -738,11 +745,13 @@ def test_size_presets_match_the_paper():
             assert abs(tied / target - 1) < 0.05, (name, tied)
         lev = Model(Config.from_size("1.2b")).param_counts()
         tied = Model(Config.from_size("1.2b", embedding="tied")).param_counts()
-    assert SIZES["1.2b"].d_model == 2048
-    assert lev["input"] == lev_param_formula(SIZES["1.2b"].vocab_size, 2048)
+    assert SIZES["1.2b"].model.d_model == 2048
+    assert lev["input"] == lev_param_formula(SIZES["1.2b"].model.vocab_size, 2048)
     assert lev["total"] <= 1.0025 * tied["total"]  # the paper: ~0.2% larger
-    for cfg in SIZES.values():
+    for preset in SIZES.values():
+        cfg = preset.model
         assert cfg.ffn_dim % 128 == 0 and cfg.ffn_dim >= 8 * cfg.d_model / 3
+        assert set(preset.lr_scales) == set(EMBEDDINGS)
     with pytest.raises(ValueError, match="unknown size"):
         Config.from_size("7b")
 
@@ -870,6 +879,17 @@ def test_config_refuses_every_out_of_range_field():
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             Model(Config(**{**MICRO.__dict__, name: value}))
+
+
+def test_config_refuses_digits_that_are_always_zero(capsys):
+    """8,192 ids have 13 binary digits: a 14th (leading) digit would be 0 for every id."""
+    assert LEV.from_config(Config(vocab_size=8192, lev_digits=13)).base == 2
+    for digits in (14, 40):
+        with pytest.raises(ValueError, match=f"lev_digits={digits}: 8,192 ids have at most 13 digits"):
+            Config(vocab_size=8192, lev_digits=digits)
+    assert Config(vocab_size=200_064, lev_digits=3)  # the paper's: base 59, 59^2 < V
+    assert train.main(["--size=tiny", "--lev_digits=40"]) == 1  # refused before any data is read
+    assert capsys.readouterr().err.startswith("error: --lev_digits=40: 8,192 ids have at most 13 digits")
 
 
 # ---------------------------------------------------------------------------- train.py
@@ -1027,7 +1047,7 @@ def test_checkpoint_saved_on_another_device_resumes_exactly(train_data, tmp_path
         SAVED_ELSEWHERE["on"] = False
     with pytest.raises(RuntimeError, match="does not have"):  # what loading it where it was saved does
         torch.load(out / "ckpt.pt", weights_only=True)
-    loaded = common.load_checkpoint(str(out / "ckpt.pt"))
+    loaded = checkpoint.load_checkpoint(str(out / "ckpt.pt"))
     assert loaded["rng_cpu"].device.type == "cpu" and loaded["rng_cpu"].dtype == torch.uint8
     assert all(t.device.type == "cpu" for t in loaded["model"].values())
     train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
@@ -1042,10 +1062,10 @@ def test_a_set_up_error_on_one_rank_stops_every_rank(train_data, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank, data in enumerate([train_data, tmp_path / "missing"]):
+    for rank, data_dir in enumerate([train_data, tmp_path / "missing"]):
         env = {**SCRIPT_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS]
+        cmd = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS]
         procs.append(subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [1, 1]
@@ -1072,7 +1092,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(train_data, tmp_pa
 def test_a_log_line_cut_by_a_kill_is_dropped_on_resume(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text('{"type": "train", "step": 1}\n{"type": "train", "step": 2}\n{"type": "tr')
-    train.keep_log_until(str(log), 2)
+    checkpoint.keep_log_until(str(log), 2)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
 
 
@@ -1135,7 +1155,7 @@ def test_every_training_window_once_per_epoch():
 
 def frequency_table(losses, target_counts, n_buckets):
     """Validation perplexity per bucket of the target's training count, as train.evaluate builds it."""
-    return train.bucket_table(*train.bucket_sums(losses, target_counts, n_buckets))
+    return data.bucket_table(*data.bucket_sums(losses, target_counts, n_buckets))
 
 
 def test_frequency_table_matches_hand_computed_buckets():
@@ -1150,8 +1170,8 @@ def test_frequency_table_matches_hand_computed_buckets():
     empty = frequency_table([2.0], [0], 3)
     assert empty[1]["tokens"] == 0 and empty[1]["loss"] is None and empty[2]["ppl"] is None
     # sums from two halves add up to the whole: what the all_reduce over ranks relies on
-    a, b = train.bucket_sums(losses_[:3], counts[:3], 5), train.bucket_sums(losses_[3:], counts[3:], 5)
-    assert train.bucket_table(a[0] + b[0], a[1] + b[1]) == rows
+    a, b = data.bucket_sums(losses_[:3], counts[:3], 5), data.bucket_sums(losses_[3:], counts[3:], 5)
+    assert data.bucket_table(a[0] + b[0], a[1] + b[1]) == rows
 
 
 def test_missing_data_names_the_prepare_command(tmp_path):
@@ -1229,10 +1249,10 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path):
     train_cli(train_data, out, "--total_tokens=1024")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     other = prepare_corpus(tmp_path, "other", 700)  # another tokenizer: 700 ids, padded to 768
-    for data, args, phrases in [(train_data, [], ["exists", "--resume"]),
+    for data_dir, args, phrases in [(train_data, [], ["exists", "--resume"]),
                                 (train_data, ["--resume", "--d_model=64"], ["different config", "d_model=32 there, 64 here"]),
                                 (other, ["--resume"], ["vocab_size=512 there, 768 here"])]:
-        r = train_cli(data, out, "--total_tokens=1024", *args, check=False)
+        r = train_cli(data_dir, out, "--total_tokens=1024", *args, check=False)
         assert_one_error_line(r.returncode, r.stderr, *phrases)
     r = train_cli(train_data, tmp_path / "none", "--resume", check=False)
     assert_one_error_line(r.returncode, r.stderr, "no checkpoint")
@@ -1685,7 +1705,7 @@ def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
 def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
     for arm, (ppl, acc) in {"lev": (14.0, 0.55), "tied": (20.0, 0.50)}.items():
         (tmp_path / arm).mkdir()
-        common.write_json(str(tmp_path / arm / "downstream.json"), {"lambada_openai": {
+        data.write_json(str(tmp_path / arm / "downstream.json"), {"lambada_openai": {
             "step": 9, "limit": None, "samples": 10,
             "metrics": {"perplexity": [ppl, 1.0], "acc": [acc, 0.01]}}})
     assert evaluate.main(["--compare", str(tmp_path / "lev"), str(tmp_path / "tied")]) == 0
@@ -1730,8 +1750,8 @@ def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
 def make_data_folder(path, val, vocab_size=512, eot_id=511):
     """The smallest folder train.py and study.prepare_one accept: shards, counts, meta.json."""
     path.mkdir()
-    common.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
-    common.write_shard(path / "val_000000.bin", val, vocab_size)
+    data.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
+    data.write_shard(path / "val_000000.bin", val, vocab_size)
     np.save(path / "counts.npy", np.bincount(np.arange(1000) % vocab_size, minlength=vocab_size))
     json.dump(dict(vocab_size=vocab_size, eot_id=eot_id, splits=dict(val=dict(tokens=len(val)))),
               open(path / "meta.json", "w"))
@@ -1744,7 +1764,7 @@ def test_study_val_halves_are_disjoint_and_make_up_the_val_split(tmp_path):
     val[-1] = 511
     make_data_folder(tmp_path / "toy", val)
     study.prepare_one(str(tmp_path / "toy"))
-    tune, final = (np.asarray(common.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin"))
+    tune, final = (np.asarray(data.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin"))
                    for half in ("tune", "final"))
     assert np.array_equal(np.concatenate([tune, final]), val)  # in order, nothing lost or repeated
     assert tune[-1] == 511 and abs(len(tune) - len(val) / 2) < 300  # cut after a document, near the middle
@@ -1775,37 +1795,65 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     (["sweep"], f"sweep needs plans among {', '.join(study.PLANS)}; got none"),
     (["sweep", "tune", "nope"], "got nope"),
     (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
+    (["sweep", "tune", "--deadline=25:99"], "--deadline=25:99: expected HH:MM with hours 0-23 and minutes 0-59"),
+    (["sweep", "tune", "--deadline=23:60"], "--deadline=23:60: expected HH:MM with hours 0-23"),
     (["table", "--all"], "table takes no options"),
 ])
-def test_study_bad_input_is_a_study_error(argv, message):
-    with pytest.raises(study.StudyError, match=re.escape(message)):
+def test_study_bad_input_is_a_user_error(argv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
         study.main(argv)
 
 
 def test_study_bad_input_gives_one_error_line(capsys):
-    assert study.cli(["sweep", "nope"]) == 1
+    assert study.run_main(study.main, ["sweep", "nope"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [f"error: sweep needs plans among {', '.join(study.PLANS)}; got nope"]
 
 
 def test_study_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: import raises ImportError
-    assert study.cli(["plot"]) == 1
+    assert study.run_main(study.main, ["plot"]) == 1
     assert capsys.readouterr().err.splitlines() == ["error: plot needs matplotlib: pip install matplotlib"]
+
+
+def test_study_runs_from_the_root_and_refuses_a_time_that_does_not_exist():
+    """`python study/study.py` as a user runs it from the repository root: a deadline outside
+    00:00-23:59 is one error line and exit status 1, not a traceback or a time rolled over."""
+    r = run_script(os.path.join("study", "study.py"), "sweep", "tune", "--deadline=25:99")
+    assert r.returncode == 1 and r.stdout == ""
+    assert_one_error_line(r.returncode, r.stderr, "--deadline=25:99", "hours 0-23 and minutes 0-59")
+
+
+def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
+    study.table(str(tmp_path))
+    out = capsys.readouterr().out
+    assert out.startswith("| plan | arm | lr | input lr | head lr | seed | steps | tokens | val loss | val ppl |")
+    assert "Mean over seeds" in out and "validation perplexity by the target's training count" not in out
 
 
 # ---------------------------------------------------------------------------- the rest
 
 
-def test_scripts_import_only_common_and_leviathan():
-    """What several scripts share lives in common.py: no script imports another for its helpers."""
-    scripts = {"prepare_data", "train", "sample", "evaluate", "bench", "study"}
-    for name in scripts | {"common"}:
-        tree = ast.parse(Path(HERE, f"{name}.py").read_text())
-        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                    for alias in node.names}
-        imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert not imported & scripts, (name, imported & scripts)
+LIBRARY = {"leviathan", "data", "cli", "checkpoint"}  # the modules the scripts share
+SCRIPTS = {"prepare_data": "prepare_data.py", "train": "train.py", "sample": "sample.py", "evaluate": "evaluate.py",
+           "bench": "bench.py", "study": "study/study.py"}
+
+
+def imported_modules(path):
+    tree = ast.parse(Path(HERE, path).read_text())
+    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+
+
+def test_scripts_share_only_the_library_modules():
+    """What several scripts share lives in the library modules; no script imports another, and
+    the library never imports a script. prepare_data.py (through data.py and cli.py) never
+    imports torch at start-up."""
+    for path in list(SCRIPTS.values()) + [f"{name}.py" for name in LIBRARY]:
+        assert not imported_modules(path) & set(SCRIPTS), (path, imported_modules(path) & set(SCRIPTS))
+    code = "import sys, prepare_data; assert 'torch' not in sys.modules, 'prepare_data imported torch'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=SCRIPT_ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_bench_options_out_of_range_are_one_error_line():

@@ -7,8 +7,12 @@
     python train.py --size=200m --eval_only                    # evaluate its checkpoint
 
 Every field of TrainConfig is an option, --name=value (a bare --flag means true). Fields left at
-None take the value of the chosen --size: common.SIZE_DEFAULTS, and the model presets in
-leviathan.SIZES. `python train.py --help` lists them all.
+None take the value of the chosen --size, from leviathan.SIZES: the model's shape, the training
+defaults and each arm's learning-rate multipliers. `python train.py --help` lists them all.
+
+Read top to bottom: the options; the set-up (device, DDP, data), where every check that can
+refuse a run comes before any work; the model and optimizer; the loop; the evaluation. A run's
+checkpoint, preemption signals and the ranks' agreement on a failure are in checkpoint.py.
 """
 import argparse, dataclasses, datetime, inspect, json, math, os, re, signal, sys, time, types
 from contextlib import nullcontext
@@ -18,9 +22,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import (SIZE_DEFAULTS, ArgumentParser, UserError, atomic_write, load_checkpoint, load_meta, parse_bool,
-                    print_error, read_shard, shard_paths, tokenizer_from_meta, write_json)
+from checkpoint import (STOP, STOP_SIGNALS, check_checkpoint, checkpoint, failed_rank, keep_log_until, load_checkpoint,
+                        on_signal, shut_down)
+from cli import ArgumentParser, UserError, parse_bool, print_error
+from data import Windows, bucket_sums, bucket_table, open_data, tokenizer_from_meta, val_windows, write_json
 from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
+
+
+# ---------------------------------------------------------------------------- options
 
 
 @dataclass
@@ -47,8 +56,8 @@ class TrainConfig:  # each field's comment is its option's --help
     batch_tokens: int | None = None  # tokens per optimizer step, over all GPUs (fixed whatever the world size)
     micro_batch: int | None = None  # sequences per GPU per forward pass; accumulation fills the rest
     lr: float | None = None  # peak learning rate of the backbone
-    lr_input: float | None = None  # x lr for the input side (LEV, or the table); None: the arm's LR_SCALES
-    lr_head: float | None = None  # x lr for the untied head (lev, untied); None: the arm's LR_SCALES
+    lr_input: float | None = None  # x lr for the input side (LEV, or the table); None: the size's lr_scales
+    lr_head: float | None = None  # x lr for the untied head (lev, untied); None: the size's lr_scales
     warmup_steps: int | None = None  # steps of linear warmup
     min_lr_frac: float = 0.1  # cosine decay ends at min_lr_frac * lr
     weight_decay: float = 0.1  # on the backbone and head matrices only (Model.configure_optimizers)
@@ -104,23 +113,15 @@ RULES = {
     "beta2": (lambda v: finite(v) and 0 <= v < 1, "in [0, 1) (AdamW's second-moment decay)"),
     "seed": (lambda v: 0 <= v < 2**63, "in [0, 2^63)"),
 }
+
+
 MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
+TRAIN_FIELDS = ["dataset", "total_tokens", "batch_tokens", "micro_batch", "lr", "warmup_steps", "eval_interval",
+                "eval_tokens", "ckpt_interval"]  # the rest of a size's preset
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
                "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce",
                "deterministic", "wandb_project", "wandb_run_name"}
-# Learning-rate multipliers per arm (lr_input, lr_head), the best on the tuning half of the CPU-scale
-# study in the README (tiny preset, 110 steps, including its `edges` runs): the tied table and the
-# zero-initialised untied head want ~30x the backbone's rate, LEV ~0.3x. Not checked at the paper's sizes.
-LR_SCALES = {"lev": dict(lr_input=0.3, lr_head=30.0), "tied": dict(lr_input=30.0, lr_head=1.0),
-             "untied": dict(lr_input=1.0, lr_head=30.0)}
-# Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
-# order on torch.cuda.get_device_name(), so a variant comes before the plain name it contains.
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
-              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)]
-
-
-# ---------------------------------------------------------------------------- configuration
 
 
 def parse_number(kind):
@@ -167,11 +168,13 @@ def resolve(given, saved=None):
     config = TrainConfig(**given)
     if config.embedding == "tied" and config.lr_head not in (None, 1.0):
         raise UserError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
-    defaults = {**SIZE_DEFAULTS[config.size], **LR_SCALES[config.embedding],
-                **{k: getattr(SIZES[config.size], k) for k in MODEL_FIELDS},
+    preset = SIZES[config.size]
+    lr_input, lr_head = preset.lr_scales[config.embedding]
+    defaults = {**{k: getattr(preset, k) for k in TRAIN_FIELDS}, "lr_input": lr_input, "lr_head": lr_head,
+                **{k: getattr(preset.model, k) for k in MODEL_FIELDS},
                 "out_dir": os.path.join("out", f"{config.size}-{config.embedding}")}
     config = dataclasses.replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) in (None, "")})
-    model_config(config, {"vocab_size": SIZES[config.size].vocab_size})  # the model's shape rules, before any work
+    model_config(config, {"vocab_size": preset.model.vocab_size})  # the model's shape rules, before any work
     return config
 
 
@@ -183,181 +186,7 @@ def model_config(config, meta):
         raise UserError(f"--{e}") from None
 
 
-# ---------------------------------------------------------------------------- data
-
-
-def open_data(config):
-    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
-    data_dir = config.data_dir or os.path.join("data", config.dataset)
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = "python prepare_data.py" + ("" if config.dataset == "pile" else f" --dataset={config.dataset}")
-        raise UserError(f"no prepared data in {data_dir} (meta.json missing)"
-                        + ("" if config.data_dir else f": run `{command}` first"))
-    meta = load_meta(data_dir)
-    splits = {}
-    for split in ("train", "val"):
-        paths = shard_paths(data_dir, split)
-        if not paths:
-            raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
-        splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-    if not os.path.isfile(os.path.join(data_dir, "counts.npy")):
-        raise UserError(f"{data_dir}/counts.npy is missing; run prepare_data.py again")
-    return meta, splits, np.load(os.path.join(data_dir, "counts.npy"))
-
-
-class Windows:
-    """Training sequences: windows of seq_len + 1 tokens starting every seq_len tokens inside each
-    shard (each token is a target at most once per pass). Window p of the run comes from a seeded
-    shuffle per epoch at two levels, the shards then each shard's windows: little memory for
-    billions of tokens, and window p is the same whatever the world size, so the data position
-    is just the number of windows consumed."""
-
-    def __init__(self, shards, seq_len, seed):
-        self.shards, self.seq_len, self.seed = shards, seq_len, seed
-        self.sizes = np.array([(len(s) - 1) // seq_len for s in shards])
-        self.total = int(self.sizes.sum())
-        self.epoch, self.shard = None, None  # the shuffles in use; consecutive windows share them
-
-    def __getitem__(self, p):
-        epoch, q = divmod(p, self.total)
-        if self.epoch != epoch:
-            self.epoch, self.shard = epoch, None
-            self.shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-            self.ends = np.cumsum(self.sizes[self.shard_order])  # where each shard ends in the epoch
-        k = int(np.searchsorted(self.ends, q, side="right"))
-        if self.shard != k:
-            self.shard = k
-            shard = self.shard_order[k]
-            self.window_order = np.random.default_rng([self.seed, epoch, shard]).permutation(self.sizes[shard])
-        start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
-        return self.shards[self.shard_order[k]][start:start + self.seq_len + 1]
-
-
-def val_windows(shards, seq_len, n):
-    """The first n windows of the validation split, in order: the same tokens at every evaluation."""
-    windows = []
-    for s in shards:
-        windows += [s[i * seq_len:(i + 1) * seq_len + 1] for i in range((len(s) - 1) // seq_len)]
-    return windows[:n]
-
-
-def to_batch(windows, device):
-    xy = torch.from_numpy(np.stack(windows).astype(np.int64))
-    if device.type == "cuda":
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    return xy[:, :-1], xy[:, 1:]
-
-
-# ---------------------------------------------------------------------------- evaluation
-
-
-def bucket_sums(losses, target_counts, n_buckets):
-    """Per-token losses (nats) and each target's count in the training data -> summed nats and
-    tokens per bucket. Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j); n_buckets must
-    cover the largest count. Sums (not means) so that ranks can add theirs with one all_reduce."""
-    edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
-    bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
-    nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
-    return nats, np.bincount(bucket, minlength=n_buckets)
-
-
-def bucket_table(nats, tokens):
-    """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
-    target's training count; loss and ppl are None for an empty bucket."""
-    rows = []
-    for j, (n, t) in enumerate(zip(nats, tokens)):
-        loss = float(n / t) if t else None
-        rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
-                         ppl=math.exp(loss) if t else None))
-    return rows
-
-
-@torch.no_grad()
-def evaluate(run):
-    """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
-    Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
-    # raw_model (compiled, not DDP): DDP's forward syncs buffers, which a rank with fewer windows would miss
-    model = run.raw_model
-    n_buckets, micro_batch = run.n_buckets, run.config.micro_batch
-    nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
-    rank_windows = run.val[run.rank::run.world]
-    for i in range(0, len(rank_windows), micro_batch):
-        x, y = to_batch(rank_windows[i:i + micro_batch], run.device)
-        with run.autocast:
-            losses = model(x, y, reduction="none")
-        targets = y.flatten().cpu().numpy()
-        n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
-        nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
-    sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
-    if run.world > 1:
-        dist.all_reduce(sums)
-    nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
-    loss = nats.sum() / tokens.sum()
-    return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
-                eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
-
-
-def report_eval(result, step, run):
-    print(f"eval step {step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
-          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
-    print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
-    for row in result["buckets"]:
-        if row["tokens"]:
-            print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
-    record = dict(step=step, tokens_seen=step * run.config.batch_tokens, **result)
-    write_json(os.path.join(run.config.out_dir, f"eval_step{step}.json"), record)
-    log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
-
-
-# ---------------------------------------------------------------------------- checkpoints and logs
-
-
-def log_record(run, record):
-    with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if run.wandb:
-        run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
-
-
-def save_checkpoint(run, step):
-    """Rank 0 only, atomically (common.atomic_write): a kill or a full disk keeps the previous one."""
-    config = run.config
-    ckpt = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-                model_config=asdict(run.model_config), train_config=asdict(config), data_meta=run.meta,
-                step=step, tokens_seen=step * config.batch_tokens, data_position=step * run.step_windows,
-                rng_cpu=torch.get_rng_state(),
-                rng_cuda=torch.cuda.get_rng_state() if run.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8))
-    path = os.path.join(config.out_dir, "ckpt.pt")
-    start = time.time()
-    try:
-        atomic_write(path, lambda f: torch.save(ckpt, f))
-    except OSError as e:  # e.g. no space left
-        raise UserError(f"could not write {path} ({e.strerror or e}); the previous checkpoint is kept") from None
-    print(f"checkpoint: step {step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s", flush=True)
-
-
-def check_checkpoint(ckpt, model_cfg, meta, path):
-    here, there = asdict(model_cfg), ckpt["model_config"]
-    if there != here:
-        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
-                if there.get(k) != here.get(k)]
-        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
-                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
-    same_tokenizer = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
-    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same_tokenizer):
-        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
-                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
-                        f"{meta.get('vocab_size')} ids)")
-
-
-def keep_log_until(path, step):
-    """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
-    if os.path.exists(path):  # a run killed mid-write leaves a partial last line: dropped too
-        lines = [line for line in open(path) if line.endswith("\n") and json.loads(line)["step"] <= step]
-        atomic_write(path, lambda f: f.writelines(lines), mode="w")
-
-
-# ---------------------------------------------------------------------------- set-up
+# ---------------------------------------------------------------------------- set-up: device, DDP, data
 
 
 class Run(types.SimpleNamespace):
@@ -442,6 +271,15 @@ def open_run(argv):
                n_buckets=1 + len(str(max(1, int(counts.max())))))
 
 
+# ---------------------------------------------------------------------------- model and optimizer
+
+
+# Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
+# order on torch.cuda.get_device_name(), so a variant comes before the plain name it contains.
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
+              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)]
+
+
 def bf16_allreduce_hook(group, bucket):
     """DDP communication hook: average a bucket of float32 gradients as bf16, half the bytes on the
     wire. (torch's own bf16 hook insists on NCCL; this one also runs under gloo, so it is tested.)"""
@@ -474,7 +312,9 @@ def build(run):
         run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
     run.model = run.raw_model
     if run.world > 1:
-        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, no second copy.
+        # gradient_as_bucket_view: a synced backward writes the gradients straight into DDP's all-reduce
+        # buckets. (Under accumulation the no_sync micro-steps still make gradients of their own, which
+        # the last micro-step copies into the buckets.)
         run.model = torch.nn.parallel.DistributedDataParallel(run.raw_model, device_ids=[run.device] if cuda else None,
                                                               gradient_as_bucket_view=True)
         if config.bf16_allreduce:
@@ -501,19 +341,7 @@ def start_outputs(run):
                                config=dict(train=asdict(config), model=asdict(model_cfg), params=counts))
 
 
-def failed_rank(error):
-    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
-    missing on one node): every rank learns of it here, so all stop instead of waiting for the
-    failed one inside the next collective."""
-    if not dist.is_initialized():
-        return 0 if error is not None else None  # every rank fails alike before the process group
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
-
-
-# ---------------------------------------------------------------------------- training
+# ---------------------------------------------------------------------------- the loop
 
 
 def lr_at(step, config, max_steps):
@@ -525,22 +353,11 @@ def lr_at(step, config, max_steps):
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
 
 
-# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
-# time limit. Both are a preemption: save and exit, with no evaluation in between.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-STOP = {"signal": None}
-
-
-def on_signal(signum, frame):
-    # Only note it: the step in flight finishes and is checkpointed by train(). A second Ctrl-C
-    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
-    # Ctrl-C) is ignored so that the save can finish.
-    if STOP["signal"] is not None:
-        if signum == signal.SIGINT == STOP["signal"]:
-            raise SystemExit(128 + signum)
-        return
-    STOP["signal"] = signum
-    print(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step", flush=True)
+def to_batch(windows, device):
+    xy = torch.from_numpy(np.stack(windows).astype(np.int64))
+    if device.type == "cuda":
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    return xy[:, :-1], xy[:, 1:]
 
 
 def train_step(run, step, position):
@@ -588,22 +405,11 @@ def log_step(run, step, loss, grad_norm, seconds, steps_done):
     log_record(run, record)
 
 
-def checkpoint(run, step):
-    """Rank 0 writes; the broadcast of its outcome is also the barrier at which the other ranks
-    wait meanwhile, and it stops every rank alike if the write failed (a full disk)."""
-    error = None
-    if run.rank == 0:
-        try:
-            save_checkpoint(run, step)
-        except UserError as e:
-            error = e
-    if run.world > 1:
-        saved = torch.tensor(float(error is None), device=run.device)
-        dist.broadcast(saved, 0)
-        if not saved.item() and error is None:
-            error = UserError("rank 0 could not write the checkpoint")
-    if error is not None:
-        raise error
+def log_record(run, record):
+    with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if run.wandb:
+        run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
 
 def train(run):
@@ -638,6 +444,46 @@ def train(run):
     if run.rank == 0:
         print(f"done: {step} steps, {step * config.batch_tokens:,} tokens; checkpoint {config.out_dir}/ckpt.pt")
     return 0
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
+    Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
+    # raw_model (compiled, not DDP): DDP's forward syncs buffers, which a rank with fewer windows would miss
+    model = run.raw_model
+    n_buckets, micro_batch = run.n_buckets, run.config.micro_batch
+    nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
+    rank_windows = run.val[run.rank::run.world]
+    for i in range(0, len(rank_windows), micro_batch):
+        x, y = to_batch(rank_windows[i:i + micro_batch], run.device)
+        with run.autocast:
+            losses = model(x, y, reduction="none")
+        targets = y.flatten().cpu().numpy()
+        n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
+        nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
+    sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
+    if run.world > 1:
+        dist.all_reduce(sums)
+    nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
+    loss = nats.sum() / tokens.sum()
+    return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
+                eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
+
+
+def report_eval(result, step, run):
+    print(f"eval step {step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
+          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
+    print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
+    for row in result["buckets"]:
+        if row["tokens"]:
+            print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
+    record = dict(step=step, tokens_seen=step * run.config.batch_tokens, **result)
+    write_json(os.path.join(run.config.out_dir, f"eval_step{step}.json"), record)
+    log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
 
 
 # ---------------------------------------------------------------------------- main: set-up, loop, shut-down
@@ -676,20 +522,6 @@ def loop(run):
         if run.rank == 0:
             print_error(e)
         return 1
-
-
-def shut_down(code):
-    if dist.is_initialized():
-        dist.barrier()  # every rank has finished (and rank 0 has written its checkpoint)
-        if dist.get_backend() == "gloo":
-            # Tearing down gloo can deadlock on the GIL while its threads release Python-owned
-            # tensors (pytorch#56297; seen here in ~1 of 6 CPU runs, after all work was done), so
-            # a gloo rank leaves without the teardown: everything it wrote is already flushed.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        dist.destroy_process_group()
-    return code
 
 
 def main(argv):

@@ -1,0 +1,183 @@
+"""A training run's checkpoint and the events around it: written atomically by rank 0 while the
+other ranks wait, read back (onto the CPU, checked), preemption signals that ask for one, and the
+agreement of every rank on a failure, so that no rank is left waiting in a collective.
+train.py writes and resumes checkpoints; sample.py and evaluate.py load a run's model with
+load_model.
+"""
+import json, os, signal, sys, time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from cli import UserError
+from data import atomic_write, tokenizer_from_meta
+from leviathan import Config, Model
+
+# ---------------------------------------------------------------------------- writing one
+
+
+def save_checkpoint(run, step):
+    """Rank 0 only, atomically (data.atomic_write): a kill or a full disk keeps the previous one."""
+    config = run.config
+    ckpt = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                model_config=asdict(run.model_config), train_config=asdict(config), data_meta=run.meta,
+                step=step, tokens_seen=step * config.batch_tokens, data_position=step * run.step_windows,
+                rng_cpu=torch.get_rng_state(),
+                rng_cuda=torch.cuda.get_rng_state() if run.device.type == "cuda" else torch.zeros(0, dtype=torch.uint8))
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    start = time.time()
+    try:
+        atomic_write(path, lambda f: torch.save(ckpt, f))
+    except OSError as e:  # e.g. no space left
+        raise UserError(f"could not write {path} ({e.strerror or e}); the previous checkpoint is kept") from None
+    print(f"checkpoint: step {step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s", flush=True)
+
+
+def checkpoint(run, step):
+    """Rank 0 writes; the broadcast of its outcome is also the barrier at which the other ranks
+    wait meanwhile, and it stops every rank alike if the write failed (a full disk)."""
+    error = None
+    if run.rank == 0:
+        try:
+            save_checkpoint(run, step)
+        except UserError as e:
+            error = e
+    if run.world > 1:
+        saved = torch.tensor(float(error is None), device=run.device)
+        dist.broadcast(saved, 0)
+        if not saved.item() and error is None:
+            error = UserError("rank 0 could not write the checkpoint")
+    if error is not None:
+        raise error
+
+
+# ---------------------------------------------------------------------------- reading one
+
+
+def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
+    """A train.py checkpoint, checked to hold `keys`. Always onto the CPU, whatever device saved
+    it: RNG states must be CPU tensors, and each rank copies only the weights into its own GPU.
+    Memory-mapped: only the tensors used are read, and ranks on one node share one copy."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a truncated file, not a checkpoint, or pickled objects
+        raise UserError(f"could not read {path} ({type(e).__name__}: {e}); is it a train.py checkpoint?") from None
+    missing = [key for key in keys if not isinstance(ckpt, dict) or key not in ckpt]
+    if missing or not isinstance(ckpt["model"], dict):
+        raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing or ['model'])})")
+    return ckpt
+
+
+def check_state_dict(model, state, path):
+    """Explain a mismatch in one line instead of load_state_dict's multi-line report."""
+    want = model.state_dict()
+    found = {"missing": [k for k in want if k not in state],
+             "unexpected": [k for k in state if k not in want],
+             "shapes differ:": [f"{k} {list(state[k].shape)} (code wants {list(v.shape)})"
+                                for k, v in want.items() if k in state and state[k].shape != v.shape]}
+    problems = [f"{what} {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                for what, names in found.items() if names]
+    if problems:
+        raise UserError(f"{path}: the weights do not fit the model its model_config describes "
+                        f"({'; '.join(problems)}); was it written by another version of leviathan.py?")
+
+
+def check_checkpoint(ckpt, model_cfg, meta, path):
+    here, there = asdict(model_cfg), ckpt["model_config"]
+    if there != here:
+        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
+                if there.get(k) != here.get(k)]
+        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
+                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
+    same_tokenizer = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
+    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same_tokenizer):
+        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
+                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                        f"{meta.get('vocab_size')} ids)")
+
+
+
+def keep_log_until(path, step):
+    """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
+    if os.path.exists(path):  # a run killed mid-write leaves a partial last line: dropped too
+        lines = [line for line in open(path) if line.endswith("\n") and json.loads(line)["step"] <= step]
+        atomic_write(path, lambda f: f.writelines(lines), mode="w")
+
+
+def load_model(out_dir, device="cpu"):
+    """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
+    model.freeze_lev() once every other check has passed (slow for a large vocabulary on a CPU)."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isdir(out_dir):
+        raise UserError(f"run folder {out_dir} not found; pass --out_dir=RUN, the folder train.py wrote")
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint {path}; train first (python train.py), or pick another --out_dir")
+    ckpt = load_checkpoint(path)
+    try:
+        cfg = Config(**ckpt["model_config"])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: model_config does not match leviathan.Config ({e}); "
+                        "was it written by another version of leviathan.py?") from None
+    try:
+        tok = tokenizer_from_meta(ckpt["data_meta"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{path}: data_meta lacks the tokenizer fields ({e}); is it a train.py checkpoint?") from None
+    except UserError as e:
+        raise UserError(f"{path}: cannot rebuild the data's tokenizer: {e}") from None
+    if tok.n_vocab > cfg.vocab_size:
+        raise UserError(f"{path}: the tokenizer has {tok.n_vocab} ids but the model only {cfg.vocab_size}")
+    with torch.device(device):  # initialise on the device: far faster for a large model on a GPU
+        model = Model(cfg)
+    check_state_dict(model, ckpt["model"], path)
+    model.load_state_dict(ckpt["model"])
+    return model.eval(), tok, ckpt.get("step")
+
+
+# ---------------------------------------------------------------------------- preemption and failures
+
+
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
+# time limit. Both are a preemption: save and exit, with no evaluation in between.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP = {"signal": None}
+
+
+def on_signal(signum, frame):
+    # Only note it: the step in flight finishes and is checkpointed by train(). A second Ctrl-C
+    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
+    # Ctrl-C) is ignored so that the save can finish.
+    if STOP["signal"] is not None:
+        if signum == signal.SIGINT == STOP["signal"]:
+            raise SystemExit(128 + signum)
+        return
+    STOP["signal"] = signum
+    print(f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step", flush=True)
+
+
+def failed_rank(error):
+    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
+    missing on one node): every rank learns of it here, so all stop instead of waiting for the
+    failed one inside the next collective."""
+    if not dist.is_initialized():
+        return 0 if error is not None else None  # every rank fails alike before the process group
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
+
+
+def shut_down(code):
+    """Leave the process group once every rank is done; the exit status passes through."""
+    if dist.is_initialized():
+        dist.barrier()  # every rank has finished (and rank 0 has written its checkpoint)
+        if dist.get_backend() == "gloo":
+            # Tearing down gloo can deadlock on the GIL while its threads release Python-owned
+            # tensors (pytorch#56297; observed in about 1 of 6 CPU runs, after all work was done), so
+            # a gloo rank leaves without the teardown: everything it wrote is already flushed.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        dist.destroy_process_group()
+    return code
+
