@@ -398,9 +398,10 @@ def log_step(run, step, loss, grad_norm, seconds, steps_done):
     if run.peak_flops:
         record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
-    if run.device.type == "cuda":
+    if run.device.type == "cuda":  # reserved: what the allocator holds, the figure that must fit the GPU
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
-        line += f" | peak mem {record['peak_mem_gb']:.1f} GB"
+        record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9
+        line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
     print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
     log_record(run, record)
 
