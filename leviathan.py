@@ -623,10 +623,9 @@ SIZES = {
 # - phi is never written to memory: compiled into one fused kernel (C++ on a CPU, Triton on a
 #   GPU), each phi_d is made in registers and multiplied into its group's product at once; the
 #   backward (product_gradients) makes phi again from t. Only t, S and M are saved.
-# - (R) The product of d_seed factors cannot under- or overflow: M is carried as
-#   mantissa x 2^exponent, groups of up to 16 factors multiplied directly where that is
-#   provably exact (modes_from_groups). The same product as sign * exp(sum log|phi_d|),
-#   without a logarithm per factor.
+# - (R) The product of d_seed factors cannot under- or overflow: each phi_d and the running
+#   product are carried as mantissa x 2^exponent (group_products, modes_from_groups). The same
+#   product as sign * exp(sum log|phi_d|), without a logarithm per factor, and no check.
 # - The coordinates are worked through in chunks (seed_chunks), so memory stays bounded.
 
 
@@ -676,9 +675,13 @@ def group_products(index, values, spline, group):
     """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
     sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
     no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
-    coordinates: [d / group, h, N, r]. Compiled (Fused, below), phi lives in registers only."""
-    phi = mix_rows(knot_rows(spline, index), values)
-    return phi.unflatten(0, (-1, group)).prod(1)
+    coordinates as mantissa and exponent: phi_d = m_d 2^(e_d) with |m_d| in [0.5, 1) (frexp), and
+    the group's product is (prod_d m_d) 2^(sum_d e_d), two [d / group, h, N, r] tensors. A product
+    of g <= 126 such mantissas never leaves float32's normal range, whatever phi is, so each of
+    its partial products rounds exactly as a plain float32 product of the phi_d would, had that
+    one stayed in range. Compiled (Fused, below), phi lives in registers only."""
+    mantissas, exponents = torch.frexp(mix_rows(knot_rows(spline, index), values))
+    return mantissas.unflatten(0, (-1, group)).prod(1), exponents.unflatten(0, (-1, group)).sum(1)
 
 
 def product_gradients(index, values, slopes, spline, grad_times_modes):
@@ -710,35 +713,29 @@ def seed_chunks(t, rank, multiple=1):
 
 
 def product_group(seed_dim):
-    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 16.
-    The exactness bound below is then |S| <= 8; trained S stays within 0.4-1.6."""
-    return max(g for g in range(1, 17) if seed_dim % g == 0)
+    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 64
+    (a product of 64 mantissas is >= 2^-64, well inside float32's normal range, >= 2^-126)."""
+    return max(g for g in range(1, 65) if seed_dim % g == 0)
 
 
 def modes_from_groups(t, spline, group):
-    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): after each group
-    product, frexp moves the running product's scale into an integer exponent, so M never
-    under- or overflows however many factors it has. Also returns whether every group product
-    was exact: a product of g factors is, if every |phi_d| <= 2^k (k = floor(62 / g)) and the
-    product >= 2^(kg - 126), for then every partial product is a normal float32. |phi_d| <=
-    max |S| (phi_d is a convex mix of rows of S), so that bound is checked on S."""
+    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): each group's
+    product comes as mantissa and exponent (group_products), and after multiplying it in,
+    frexp moves the running product's scale into the integer exponent. No partial product
+    leaves float32's normal range however many factors M has, so the product is exact in the
+    sense of generate_reference's sign * exp(sum_d log|phi_d|), without a logarithm per factor,
+    and nothing needs checking: no wait for a GPU."""
     _, heads, n = t.shape
     mantissa = t.new_ones(heads, n, spline.shape[-1])
     exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
     bspline, products_of_groups, _ = kernels_for(t, spline)
     index, values, _ = bspline(t, spline.shape[2])
-    smallest = []
     for d in seed_chunks(t, spline.shape[-1], group):
-        products = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
-        smallest.append(products.abs().amin())
-        for product in products.unbind(0):
-            mantissa, scale = torch.frexp(mantissa * product)
-            exponent = exponent + scale
-    k = 62 // group
-    factors_small = spline.abs().amax() <= 2.0**k
-    products_large = torch.stack(smallest).amin() >= 2.0 ** (k * group - 126)
-    exact = group == 1 or bool(factors_small & products_large)  # one wait for a GPU, not one per chunk
-    return torch.ldexp(mantissa, exponent), exact
+        mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
+        for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
+            mantissa, scale = torch.frexp(mantissa * group_mantissa)
+            exponent = exponent + scale + group_exponent
+    return torch.ldexp(mantissa, exponent)
 
 
 class SeparableProduct(torch.autograd.Function):
@@ -749,10 +746,8 @@ class SeparableProduct(torch.autograd.Function):
     from t. Only t, S and M are saved.
 
     (R) A plain product of 128 factors can under- or overflow float32, so M is carried as
-    mantissa * 2^exponent (see modes_from_groups), with groups of up to 16 factors multiplied
-    directly where that is provably exact and, if any is not (rare), one factor at a time.
-    That is the exact product, as generate_reference's sign * exp(sum_d log|phi_d|) is,
-    without a logarithm per factor. The check costs one wait for the GPU per call (bool(exact)).
+    mantissa * 2^exponent (modes_from_groups): the exact product, as generate_reference's
+    sign * exp(sum_d log|phi_d|) is, without a logarithm per factor.
 
     Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
     matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
@@ -760,9 +755,7 @@ class SeparableProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, spline):
-        modes, exact = modes_from_groups(t, spline, product_group(len(t)))
-        if not exact:
-            modes, _ = modes_from_groups(t, spline, 1)
+        modes = modes_from_groups(t, spline, product_group(len(t)))
         ctx.save_for_backward(t, spline, modes)
         return modes
 
@@ -802,10 +795,27 @@ def separable_modes(t, spline):
 FUSE_MIN_FLOATS = 1 << 20
 
 
+# What a failure of compiling itself arrives as (torch 2.4-2.13: torch/_dynamo/exc.py,
+# torch/_inductor/exc.py), raised before the compiled kernel runs: BackendCompilerFailed, dynamo's
+# wrapper around whatever inductor raised (no C++ compiler: InvalidCxxCompiler; a failing one:
+# CppCompileError; a Triton compile error), in newer torch as its subclass InductorError;
+# ShortenTraceback, their base in newer torch, which also carries TritonMissing and
+# GPUTooOldForTriton (an unsupported GPU) unwrapped; Unsupported and InternalTorchDynamoError,
+# dynamo refusing or failing to trace fn. By name, as an older torch lacks some (torch._dynamo is
+# loaded: torch.compiler.disable above). Not caught: what the kernel raises as it runs (out of
+# memory, an index out of bounds, a device-side assert, a Triton launch error), a fault to see,
+# not a reason to run LEV ~6x slower from then on.
+COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
+                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError")
+                         if hasattr(torch._dynamo.exc, name))
+
+
 class Fused:
-    """fn compiled by torch.compile into one kernel per call (inductor: C++ loops on a CPU,
-    Triton on a GPU). Where compiling fails (no C++ compiler, an unsupported GPU), fn runs
-    eagerly: the same result, slower, with one warning line for all the kernels."""
+    """fn compiled by torch.compile into fused kernels (inductor: C++ loops on a CPU, Triton on
+    a GPU; group_products is one, so phi stays in registers). Where compiling fails (no C++
+    compiler, an unsupported GPU), fn runs eagerly: the same result, slower, with one warning
+    line for all the kernels. An error of the compiled kernel as it runs propagates, and the
+    kernel stays compiled."""
     warned = False
 
     def __init__(self, fn):
@@ -815,9 +825,10 @@ class Fused:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
-            except Exception as error:  # a real bug fails again below, eagerly
+            except COMPILE_FAILURES as error:
                 if not Fused.warned:
-                    reason = str(error).split("\n")[0]
+                    cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
+                    reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
                     print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
                     Fused.warned = True
                 self.compiled = None
