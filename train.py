@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (STOP, STOP_SIGNALS, check_checkpoint, checkpoint, failed_rank, keep_log_until, load_checkpoint,
-                        on_signal, shut_down)
+from checkpoint import (STOP, STOP_SIGNALS, CheckpointWriter, check_checkpoint, checkpoint, failed_rank, keep_log_until,
+                        load_checkpoint, on_signal, shut_down)
 from cli import ArgumentParser, UserError, parse_bool, print_error
 from data import Windows, bucket_sums, bucket_table, open_data, tokenizer_from_meta, val_windows, write_json
 from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
@@ -275,9 +275,28 @@ def open_run(argv):
 
 
 # Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
-# order on torch.cuda.get_device_name(), so a variant comes before the plain name it contains.
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
-              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)]
+# order on the words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
+# a variant before the plain name it contains; whole words, so a GB200 is not taken for a B200.
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("GH200", 989e12), ("H200 NVL", 835e12),
+              ("H200", 989e12), ("GB200", 2500e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
+              ("A10", 125e12)]
+
+
+def peak_flops(device_name):
+    """The PEAK_FLOPS entry whose words appear, in order and whole, in the device's name; else None."""
+    words = re.split(r"[\s\-_]+", device_name.upper())
+    for key, flops in PEAK_FLOPS:
+        key_words = key.upper().split()
+        if any(words[i:i + len(key_words)] == key_words for i in range(len(words))):
+            return flops
+    return None
+
+
+DDP = torch.nn.parallel.DistributedDataParallel
+# The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
+# (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers.)
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
 
 
 def bf16_allreduce_hook(group, bucket):
@@ -298,12 +317,14 @@ def build(run):
     run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, (config.beta1, config.beta2),
                                                        fused=cuda, lr_input=config.lr_input, lr_head=config.lr_head)
     run.start_step = run.start_position = 0
+    run.writer = CheckpointWriter()
     if run.ckpt is not None:
         run.raw_model.load_state_dict(run.ckpt["model"])
         run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
         torch.set_rng_state(run.ckpt["rng_cpu"])
-        if cuda and run.ckpt["rng_cuda"].numel():
-            torch.cuda.set_rng_state(run.ckpt["rng_cuda"])
+        states = run.ckpt.get("rng_cuda")  # one per rank; on another number of GPUs rank r takes r mod their count
+        if cuda and states:
+            torch.cuda.set_rng_state(states[run.rank % len(states)])
         run.start_step, run.start_position = run.ckpt["step"], run.ckpt["data_position"]
         run.ckpt = None  # nothing else is needed: let the full state dict go
     bf16 = config.bf16 if config.bf16 is not None else cuda
@@ -312,15 +333,13 @@ def build(run):
         run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
     run.model = run.raw_model
     if run.world > 1:
-        # gradient_as_bucket_view: a synced backward writes the gradients straight into DDP's all-reduce
-        # buckets. (Under accumulation the no_sync micro-steps still make gradients of their own, which
-        # the last micro-step copies into the buckets.)
-        run.model = torch.nn.parallel.DistributedDataParallel(run.raw_model, device_ids=[run.device] if cuda else None,
-                                                              gradient_as_bucket_view=True)
+        # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, no second copy
+        # (train_step keeps them so); the buckets are what the all-reduce sends.
+        run.model = DDP(run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True,
+                        **NO_BUFFER_SYNC)
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_allreduce_hook)
-    name = torch.cuda.get_device_name(run.device) if cuda else ""
-    run.peak_flops = next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    run.peak_flops = peak_flops(torch.cuda.get_device_name(run.device)) if cuda else None
     run.flops_per_token = run.raw_model.flops_per_token()
 
 
@@ -385,7 +404,10 @@ def train_step(run, step, position):
         raise UserError(f"non-finite loss ({loss}) or gradient norm at step {step + 1}: stopped without updating; "
                         "the last good checkpoint is kept (try a lower --lr)")
     run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay so, and
+    # every micro-step accumulates into the buckets. Set to None, the no_sync micro-steps would make
+    # fresh gradients beside the buckets (a second copy: 4.9 GB at 1.2b) for DDP to copy in at the end.
+    run.optimizer.zero_grad(set_to_none=run.world == 1)
     return loss, grad_norm, stop
 
 
@@ -436,7 +458,8 @@ def train(run):
                 report_eval(result, step, run)
             timer_start, steps_timed = time.time(), 0  # tokens/s counts training only
         if step % config.ckpt_interval == 0 or step == run.max_steps or stop:
-            checkpoint(run, step)
+            checkpoint(run, step, wait=step == run.max_steps or stop)  # the last one must be on disk
+            timer_start, steps_timed = time.time(), 0
         if stop:
             why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
             if run.rank == 0:
@@ -460,10 +483,13 @@ def evaluate(run):
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
     rank_windows = run.val[run.rank::run.world]
     for i in range(0, len(rank_windows), micro_batch):
-        x, y = to_batch(rank_windows[i:i + micro_batch], run.device)
+        windows = rank_windows[i:i + micro_batch]
+        # An uneven last batch is padded with copies of its last window, whose losses are dropped:
+        # a batch of another shape would make the compiled model compile again.
+        x, y = to_batch(windows + windows[-1:] * (micro_batch - len(windows)), run.device)
         with run.autocast:
-            losses = model(x, y, reduction="none")
-        targets = y.flatten().cpu().numpy()
+            losses = model(x, y, reduction="none")[:len(windows)]
+        targets = y[:len(windows)].flatten().cpu().numpy()
         n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
         nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
     sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
@@ -523,6 +549,9 @@ def loop(run):
         if run.rank == 0:
             print_error(e)
         return 1
+    finally:
+        if run.rank == 0 and run.writer.thread is not None:
+            run.writer.thread.join()  # a checkpoint still being written is completed
 
 
 def main(argv):
