@@ -1,6 +1,7 @@
 """What every script shares on the command line: bad input reported as one `error:` line with a
-non-zero exit status, never a traceback, and the rules every option follows."""
-import argparse, sys
+non-zero exit status, never a traceback, and the rules every option follows (true/false, numbers
+such as 262_144 or 4.2e9, a dataclass's fields as options)."""
+import argparse, dataclasses, inspect, re, sys
 
 
 class UserError(Exception):
@@ -52,3 +53,31 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message} (see python {self.prog} --help)")
 
+
+
+def parse_number(kind):
+    """int or float from an option's text; ints also as 262_144 or 4.2e9 (when whole)."""
+    def parse(text):
+        try:
+            number = float(text.replace("_", ""))
+            if kind is int and number != int(number):
+                raise ValueError
+            return kind(number)
+        except (ValueError, OverflowError):  # OverflowError: int('inf')
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+    return parse
+
+
+def add_dataclass_options(parser, cls, none_means):
+    """One --name=value option per field of the dataclass cls, its help the comment on the field's
+    line; a field left out of the command line is left out of the parsed options (SUPPRESS)."""
+    helps = dict(re.findall(r"^    (\w+): .*  # (.*)$", inspect.getsource(cls), re.M))
+    for field in dataclasses.fields(cls):
+        kind = next(t for t in getattr(field.type, "__args__", [field.type]) if t is not type(None))
+        default = none_means if field.default is None else field.default
+        if default != "" and "None:" not in helps[field.name]:  # those comments say what None means
+            helps[field.name] += f" (default: {default})"
+        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
+            type=parse_number(kind) if kind in (int, float) else str)
+        parser.add_argument(f"--{field.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                            help=helps[field.name].replace("%", "%%"), **how)

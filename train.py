@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from checkpoint import (STOP, STOP_SIGNALS, CheckpointWriter, check_checkpoint, checkpoint, failed_rank, keep_log_until,
                         load_checkpoint, on_signal, shut_down)
-from cli import ArgumentParser, UserError, parse_bool, print_error
+from cli import ArgumentParser, UserError, add_dataclass_options, print_error
 from data import Windows, bucket_sums, bucket_table, open_data, tokenizer_from_meta, val_windows, write_json
 from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
 
@@ -124,32 +124,10 @@ RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval",
                "deterministic", "wandb_project", "wandb_run_name"}
 
 
-def parse_number(kind):
-    """int or float from an option's text; ints also as 262_144 or 4.2e9 (when whole)."""
-    def parse(text):
-        try:
-            number = float(text.replace("_", ""))
-            if kind is int and number != int(number):
-                raise ValueError
-            return kind(number)
-        except (ValueError, OverflowError):  # OverflowError: int('inf')
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-    return parse
-
-
 def parse_args(argv):
     """--name=value options -> {field: value} for the fields given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    helps = dict(re.findall(r"^    (\w+): .*  # (.*)$", inspect.getsource(TrainConfig), re.M))
-    for field in dataclasses.fields(TrainConfig):
-        kind = next(t for t in getattr(field.type, "__args__", [field.type]) if t is not type(None))
-        default = "from --size" if field.default is None else field.default
-        if default != "" and "None:" not in helps[field.name]:  # those comments say what None means
-            helps[field.name] += f" (default: {default})"
-        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
-            type=parse_number(kind) if kind in (int, float) else str)
-        parser.add_argument(f"--{field.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                            help=helps[field.name].replace("%", "%%"), **how)
+    add_dataclass_options(parser, TrainConfig, none_means="from --size")
     return vars(parser.parse_args(argv))
 
 
