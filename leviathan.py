@@ -40,6 +40,7 @@ class Config:
     lev_heads: int = 8  # h
     lev_knots: int = 16  # kappa
     lev_rank: int = 64  # r
+    lev_sigmoid_scale: float = 0.5  # 3b: t = sigmoid(scale * LayerNorm_l(W_l z)); (R) 1/2, see LEV.coordinates
 
     def __post_init__(self):
         """Refuse shapes that would crash later or train something that is not the method."""
@@ -58,6 +59,9 @@ class Config:
                 raise ValueError(f"{name}={value}: must be an integer >= {least} ({why})")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta}: must be > 0 (the rotary base)")
+        if not (isinstance(self.lev_sigmoid_scale, (int, float)) and 0 < self.lev_sigmoid_scale < math.inf):
+            raise ValueError(f"lev_sigmoid_scale={self.lev_sigmoid_scale}: must be > 0 and finite "
+                             "(0 would give every id the same t)")
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
             raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads "
                              "(rotary embeddings rotate pairs of dimensions)")
@@ -118,15 +122,15 @@ def bspline_basis(t, knots):
 
 class LEV(nn.Module):
     """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
-      -> per head l: t = sigmoid(LayerNorm_l(W_l z)), phi_d = sum_m B_m(t_d) S_l[d, m]
+      -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
       -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
     generate_reference is these equations written out; generate is the same computation on
     the fast path (end of this file), and the tests hold the two together."""
 
-    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64):
+    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64, sigmoid_scale=0.5):
         super().__init__()
         self.vocab_size, self.d_model = vocab_size, d_model
-        self.digits, self.knots = digits, knots
+        self.digits, self.knots, self.sigmoid_scale = digits, knots, sigmoid_scale
         self.base = lev_base(vocab_size, digits)
         self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C: k codebooks C_j
         self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l, no bias
@@ -140,7 +144,7 @@ class LEV(nn.Module):
     def from_config(cls, cfg):
         """The LEV of a model Config (its vocabulary, width and lev_* fields)."""
         return cls(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
-                   cfg.lev_knots, cfg.lev_rank)
+                   cfg.lev_knots, cfg.lev_rank, cfg.lev_sigmoid_scale)
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -148,7 +152,7 @@ class LEV(nn.Module):
         # phi_d is a convex mix of S entries around 1 (the basis sums to one), so
         # log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0 nor inf.
         # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.23 at init, of
-        # which ~0.15 differs between tokens and the rest is a direction shared by all
+        # which ~0.14 differs between tokens and the rest is a direction shared by all
         # ids (V = 8192, D = 128; test_lev_init_scale checks the range). The lookup-table
         # arms start at the usual 0.02; every block normalises its input, so the scale only
         # sets how much the embedding outweighs the first residual updates.
@@ -168,7 +172,11 @@ class LEV(nn.Module):
         z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
         u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
         u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
-        return torch.sigmoid(u)  # 3b
+        # 3b. (R) t = sigmoid(u / 2): the factor 1/2 is what a third-party reimplementation that quotes
+        # the paper's Sec. 3.1 computes (Kitsunp/ml-cross-entropy, cut_cross_entropy/leviathan/core.py).
+        # With LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot intervals
+        # instead of ~6.9. sigmoid_scale=1 is the form without it (the CPU-scale study's runs).
+        return torch.sigmoid(self.sigmoid_scale * u)
 
     def generate_reference(self, ids):
         """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations: B_m(t)

@@ -479,7 +479,7 @@ def method_reference(lev, ids):
         for l in range(lev.seed_proj.shape[0]):
             u = torch.nn.functional.layer_norm(z @ lev.seed_proj[l], z.shape, lev.norm_weight[l],
                                                lev.norm_bias[l], 1e-5)
-            phi = torch.einsum("dk,dkr->dr", method_basis(torch.sigmoid(u), lev.knots), lev.spline[l])
+            phi = torch.einsum("dk,dkr->dr", method_basis(torch.sigmoid(u / 2), lev.knots), lev.spline[l])
             E = E + phi.prod(0) @ lev.out_proj[l]
         out.append(E)
     return torch.stack(out)
@@ -955,7 +955,7 @@ def test_compiled_model_does_not_recompile_when_distinct_ids_change():
 
 def test_config_refuses_every_out_of_range_field():
     bad = dict(vocab_size=1, d_model=0, n_layer=0, n_head=0, seq_len=0, embedding="sparse", rope_theta=0.0,
-               lev_digits=0, lev_seed_dim=1, lev_heads=0, lev_knots=2, lev_rank=0)
+               lev_digits=0, lev_seed_dim=1, lev_heads=0, lev_knots=2, lev_rank=0, lev_sigmoid_scale=0.0)
     assert set(bad) == {f.name for f in dataclasses.fields(Config)}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
@@ -1359,7 +1359,8 @@ def test_missing_data_names_the_prepare_command(tmp_path):
 BAD_TRAIN_OPTIONS = {
     "size": "3b", "embedding": "sparse", "dataset": "", "data_dir": "{missing}", "out_dir": "{file}/run",
     "d_model": "30", "n_layer": "0", "n_head": "0", "seq_len": "0", "rope_theta": "-1", "lev_digits": "0",
-    "lev_seed_dim": "1", "lev_heads": "0", "lev_knots": "1", "lev_rank": "0", "total_tokens": "0",
+    "lev_seed_dim": "1", "lev_heads": "0", "lev_knots": "1", "lev_rank": "0", "lev_sigmoid_scale": "0",
+    "total_tokens": "0",
     "batch_tokens": "0", "micro_batch": "0", "lr": "0", "lr_input": "-1", "lr_head": "nan", "warmup_steps": "-1",
     "min_lr_frac": "2", "weight_decay": "-1", "beta1": "1", "beta2": "2", "grad_clip": "0", "seed": "-1",
     "eval_interval": "0", "eval_tokens": "0", "log_interval": "0", "ckpt_interval": "0", "eval_only": "maybe",

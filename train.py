@@ -51,6 +51,7 @@ class TrainConfig:  # each field's comment is its option's --help
     lev_heads: int | None = None  # LEV: h heads
     lev_knots: int | None = None  # LEV: kappa, B-spline knots
     lev_rank: int | None = None  # LEV: r, modes per head
+    lev_sigmoid_scale: float | None = None  # LEV: t = sigmoid(scale * u), the paper's 1/2; 1 as in the study
     # budget, batch and optimiser
     total_tokens: int | None = None  # training tokens; steps = total_tokens // batch_tokens
     batch_tokens: int | None = None  # tokens per optimizer step, over all GPUs (fixed whatever the world size)

@@ -45,6 +45,9 @@ BATCH_TOKENS = SIZES["tiny"].batch_tokens  # 4,096 tokens per step; budgets are 
 FULL_STEPS = SIZES["tiny"].total_tokens // BATCH_TOKENS  # 660 steps = 2.7M tokens
 ARMS = ("lev", "tied", "untied")
 SEEDS = (1337, 1338)
+# Every run of the study computed LEV's step 3b as t = sigmoid(u); leviathan.py's default is the
+# paper's t = sigmoid(u / 2), so the study asks for its own form to repeat its runs.
+STUDY_FORM = ["--lev_sigmoid_scale=1"]
 
 
 def grid(arm, lrs, scales):
@@ -181,7 +184,7 @@ def planned_runs(plan_name):
                     f"--total_tokens={plan['steps'] * BATCH_TOKENS}", f"--eval_interval={plan['steps'] // evaluations}",
                     "--eval_tokens=1000000000"]  # the whole validation half
             args += [] if run["arm"] == "tied" else [f"--lr_head={run['lr_head']}"]
-            out.append((out_dir, args + plan["options"]))
+            out.append((out_dir, args + STUDY_FORM + plan["options"]))
     return out
 
 
