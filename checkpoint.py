@@ -1,6 +1,6 @@
-"""A training run's checkpoint and the events around it: written atomically by rank 0 while the
-other ranks wait, read back (onto the CPU, checked), preemption signals that ask for one, and the
-agreement of every rank on a failure, so that no rank is left waiting in a collective.
+"""A training run's checkpoint and the events around it: written atomically by rank 0 in the
+background while training goes on, read back (onto the CPU, checked), preemption signals that ask
+for one, and the agreement of every rank on a failure, so that no rank is left waiting in a collective.
 train.py writes and resumes checkpoints; sample.py and evaluate.py load a run's model with
 load_model.
 """
@@ -82,6 +82,11 @@ def map_tensors(obj, fn):
     return obj
 
 
+def memory_of(t):
+    """Where a tensor's values live: equal for two tensors that are views of the same values."""
+    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride()
+
+
 class CheckpointWriter:
     """Rank 0's writer thread, and the CPU copy it writes from. On a GPU the copy lands in pinned
     memory, allocated at the first checkpoint and reused: the device-to-host copy then runs at
@@ -91,16 +96,21 @@ class CheckpointWriter:
         self.thread, self.error, self.buffers = None, None, None
 
     def copy_to_cpu(self, state):
-        tensors = []
-        map_tensors(state, tensors.append)
-        if self.buffers is None or [b.shape for b in self.buffers] != [t.shape for t in tensors]:
-            pin = any(t.is_cuda for t in tensors)
-            self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
-        buffers = iter(self.buffers)
-        copy = map_tensors(state, lambda t: next(buffers).copy_(t, non_blocking=True))
-        if any(t.is_cuda for t in tensors):
+        """state with every tensor copied into the CPU buffers. Tensors that are one tensor (the tied
+        arm's table, which state_dict lists again as the head) get one copy, which torch.save then
+        writes once, as it would the originals."""
+        tensors = {}  # the distinct tensors, by where their values live
+        map_tensors(state, lambda t: tensors.setdefault(memory_of(t), t))
+        shapes = [(t.shape, t.dtype) for t in tensors.values()]
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        if self.buffers is None or [(b.shape, b.dtype) for b in self.buffers] != shapes:
+            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=on_gpu) for shape, dtype in shapes]
+        copies = dict(zip(tensors, self.buffers))
+        for key, t in tensors.items():
+            copies[key].copy_(t, non_blocking=True)
+        if on_gpu:
             torch.cuda.synchronize()  # the copies are complete before training changes the originals
-        return copy
+        return map_tensors(state, lambda t: copies[memory_of(t)])
 
     def start(self, path, state, step):
         self.thread = threading.Thread(target=self.write, args=(path, state, step))
@@ -169,7 +179,6 @@ def check_checkpoint(ckpt, model_cfg, meta, path):
         raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
                         f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
                         f"{meta.get('vocab_size')} ids)")
-
 
 
 def keep_log_until(path, step):

@@ -1218,6 +1218,17 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(train_data, tmp_pa
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good and not (tmp_path / "run" / "ckpt.pt.tmp").exists()
 
 
+def test_a_tied_checkpoint_holds_its_table_once(train_data, tmp_path):
+    """The tied table is also the head: the CPU copy a checkpoint is written from keeps the two one
+    tensor, so the file holds it once, as torch.save of the model's own state_dict does."""
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN,
+                          "--embedding=tied"])
+    train.build(run)
+    train.checkpoint(run, 1, wait=True)
+    model = checkpoint.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["model"]
+    assert model["head.weight"].untyped_storage().data_ptr() == model["embed.weight"].untyped_storage().data_ptr()
+
+
 def test_training_goes_on_while_a_checkpoint_is_written(train_data, tmp_path, monkeypatch):
     """checkpoint() returns once the state is copied: the next step runs while the file is being
     written, and the file holds the state of the checkpoint's step, not what training made of it."""
