@@ -257,10 +257,8 @@ def bench_train(args, device):
             subprocess.run([sys.executable, "train.py", "--size=tiny", "--dataset=demo", f"--device={device.type}",
                             f"--embedding={embedding}", f"--total_tokens={steps * tiny_batch_tokens}", "--eval_interval=1000",
                             f"--out_dir={out_dir}"], check=True, capture_output=True)
-            with open(os.path.join(out_dir, "log.jsonl")) as f:
-                records = [json.loads(line) for line in f]
             # the first log interval includes start-up; the rest is steady-state training
-            rates[embedding] += [r["tokens_per_s"] for r in records if r["type"] == "train" and r["step"] > 10]
+            rates[embedding] += [r["tokens_per_s"] for r in train_records(out_dir) if r["step"] > 10]
     print(f"\ntraining loop, tiny preset on the demo corpus, {device.type} ({args.repeats} interleaved runs of {steps} steps)")
     base = statistics.median(rates["tied"])
     for embedding in EMBEDDINGS:

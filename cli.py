@@ -54,7 +54,6 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see python {self.prog} --help)")
 
 
-
 def parse_number(kind):
     """int or float from an option's text; ints also as 262_144 or 4.2e9 (when whole)."""
     def parse(text):

@@ -730,14 +730,15 @@ def product_group(seed_dim):
     return max(g for g in range(1, 65) if seed_dim % g == 0)
 
 
-def modes_from_groups(t, spline, group):
+def modes_from_groups(t, spline):
     """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): each group's
     product comes as mantissa and exponent (group_products), and after multiplying it in,
     frexp moves the running product's scale into the integer exponent. No partial product
     leaves float32's normal range however many factors M has, so the product is exact in the
     sense of generate_reference's sign * exp(sum_d log|phi_d|), without a logarithm per factor,
     and nothing needs checking: no wait for a GPU."""
-    _, heads, n = t.shape
+    seed_dim, heads, n = t.shape
+    group = product_group(seed_dim)
     mantissa = t.new_ones(heads, n, spline.shape[-1])
     exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
     bspline, products_of_groups, _ = kernels_for(t, spline)
@@ -767,7 +768,7 @@ class SeparableProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, spline):
-        modes = modes_from_groups(t, spline, product_group(len(t)))
+        modes = modes_from_groups(t, spline)
         ctx.save_for_backward(t, spline, modes)
         return modes
 

@@ -26,7 +26,7 @@ from checkpoint import (STOP, STOP_SIGNALS, CheckpointWriter, check_checkpoint, 
                         load_checkpoint, on_signal, shut_down)
 from cli import ArgumentParser, UserError, add_dataclass_options, print_error
 from data import Windows, bucket_sums, bucket_table, open_data, tokenizer_from_meta, val_windows, write_json
-from leviathan import EMBEDDINGS, SIZES, Config, Model, padded_vocab
+from leviathan import EMBEDDINGS, SIZES, Config, Model, Preset, padded_vocab
 
 
 # ---------------------------------------------------------------------------- options
@@ -117,8 +117,7 @@ RULES = {
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
-TRAIN_FIELDS = ["dataset", "total_tokens", "batch_tokens", "micro_batch", "lr", "warmup_steps", "eval_interval",
-                "eval_tokens", "ckpt_interval"]  # the rest of a size's preset
+TRAIN_FIELDS = [f.name for f in dataclasses.fields(Preset) if f.name not in ("model", "lr_scales")]  # the preset's rest
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
                "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce",
