@@ -45,14 +45,25 @@ BATCH_TOKENS = SIZES["tiny"].batch_tokens  # 4,096 tokens per step; budgets are 
 FULL_STEPS = SIZES["tiny"].total_tokens // BATCH_TOKENS  # 660 steps = 2.7M tokens
 ARMS = ("lev", "tied", "untied")
 SEEDS = (1337, 1338)
-# Every run of the study computed LEV's step 3b as t = sigmoid(u); leviathan.py's default is the
-# paper's t = sigmoid(u / 2), so the study asks for its own form to repeat its runs.
-STUDY_FORM = ["--lev_sigmoid_scale=1"]
+# The first plans (tune to long) computed LEV's step 3b as t = sigmoid(u); leviathan.py's default
+# is the paper's t = sigmoid(u / 2), so those plans ask for their own form to repeat their runs.
+FIRST_FORM = ["--lev_sigmoid_scale=1"]
+LONG_SHAPE = ["--d_model=64", "--n_layer=2", "--n_head=2"]  # regime (a)
+WIDTHS = (64, 128, 256)  # the width sweep: the tiny depth (4 layers), heads of 32 dims
 
 
 def grid(arm, lrs, scales):
     """Tuning runs of one arm: each backbone lr with each (lr_input, lr_head) pair."""
     return [dict(arm=arm, lr=lr, lr_input=lr_input, lr_head=lr_head) for lr in lrs for lr_input, lr_head in scales]
+
+
+def multiplier_grid(lr=3e-3):
+    """The runs of the width sweep and of the long comparison's tuning: the backbone at lr, and
+    one multiplier at a time moved x3 either way from the first study's choice (tied x30; untied
+    head x30; LEV x0.3 with its head at x30): the tied table, the untied head, LEV's head, LEV."""
+    return (grid("tied", [lr], [(10.0, 1.0), (30.0, 1.0), (100.0, 1.0)])
+            + grid("untied", [lr], [(1.0, 10.0), (1.0, 30.0), (1.0, 100.0)])
+            + grid("lev", [lr], [(0.3, 10.0), (0.3, 30.0), (0.3, 100.0), (0.1, 30.0), (1.0, 30.0)]))
 
 
 # Each plan: the data folder, the steps, the seeds, extra train.py options, and its runs. The
@@ -63,7 +74,7 @@ def grid(arm, lrs, scales):
 # tokens), the comparison at 220 steps (901k tokens, a third of the tiny preset's 660). Short runs
 # favour higher learning rates, a bias every arm shares.
 PLANS = {
-    "tune": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
+    "tune": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=FIRST_FORM, runs=(
         grid("tied", [3e-3, 6e-3], [(1.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 10.0), (1.0, 30.0)])
         + grid("lev", [3e-3], [(0.1, 10.0), (0.3, 10.0)]))),
     # Added after the results of `tune`, `final`, `vocab32k` and `long` were known (not part of
@@ -71,25 +82,36 @@ PLANS = {
     # at the rates the untied head preferred (x10, then x30 and x100 as each won), to see whether
     # an optimum lies beyond the grid. `final` keeps the settings chosen on `tune`; `retuned`
     # reruns the arms whose choice moved.
-    "edges": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=[], runs=(
+    "edges": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1], options=FIRST_FORM, runs=(
         grid("tied", [3e-3], [(10.0, 1.0), (30.0, 1.0), (100.0, 1.0)]) + grid("untied", [3e-3], [(1.0, 100.0)])
         + grid("lev", [3e-3], [(1.0, 10.0), (0.3, 30.0)]))),
     # Regime 0 again, for each arm whose best setting moved with `edges`; added with `edges`.
-    "retuned": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="retuned"),
+    "retuned": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=FIRST_FORM, runs="retuned"),
     # Regime 0: the tiny preset's model and 8,192-id vocabulary, two seeds.
-    "final": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
+    "final": dict(data="data/demo-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=FIRST_FORM, runs="best"),
     # Regime (b): a 32,768-id vocabulary, so that rare targets exist. 31.9 MFLOP per token
     # against 13.0 at 8,192 ids (leviathan.Model.flops_per_token): ~2.5x slower.
     # The second seed was added after lev's first run at 32,768 ids had finished, before tied's
     # or untied's had.
-    "vocab32k": dict(data="data/demo32k-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=[], runs="best"),
+    "vocab32k": dict(data="data/demo32k-final", steps=FULL_STEPS // 3, seeds=SEEDS, options=FIRST_FORM, runs="best"),
     # Regime (a): toward the paper's ~20 tokens per parameter with a smaller model (tied 0.66M
     # parameters, lev 1.0M, untied 1.18M) on 12.3M tokens (19 / 12 / 10 tokens per parameter),
     # ~3.5 passes over the demo corpus.
-    "long": dict(data="data/demo-final", steps=3000, seeds=SEEDS[:1],
-                 options=["--d_model=64", "--n_layer=2", "--n_head=2"], runs="best"),
+    "long": dict(data="data/demo-final", steps=3000, seeds=SEEDS[:1], options=FIRST_FORM + LONG_SHAPE, runs="best"),
+    # The plans below compute step 3b as the paper does (leviathan.py's default) and were fixed
+    # before any of their runs. The width sweep: how each arm's best multipliers move with D, at
+    # the tuning budget of `tune`; the rule for the paper sizes' defaults is fitted to it.
+    **{f"width{d}": dict(data="data/demo-tune", steps=FULL_STEPS // 6, seeds=SEEDS[:1],
+                         options=[f"--d_model={d}", f"--n_head={d // 32}"], runs=multiplier_grid()) for d in WIDTHS},
+    # The long comparison: regime (a), each arm tuned at a quarter of the final length, then
+    # compared at 3,000 steps with two seeds and an evaluation every 250 steps.
+    "tune-long": dict(data="data/demo-tune", steps=750, seeds=SEEDS[:1], options=LONG_SHAPE, runs=multiplier_grid()),
+    "compare-long": dict(data="data/demo-final", steps=3000, seeds=SEEDS, options=LONG_SHAPE, runs="best",
+                         tuned_on="tune-long", evaluations=12),
 }
-TUNING_PLANS = ("tune", "edges")  # scored on the tuning half: only their last step, no buckets or plots
+FIRST_TUNING = ("tune", "edges")
+# scored on the tuning half: only their last step, no buckets or plots
+TUNING_PLANS = FIRST_TUNING + tuple(f"width{d}" for d in WIDTHS) + ("tune-long",)
 
 
 # ---------------------------------------------------------------------------- prepare
@@ -165,26 +187,26 @@ def best_settings(arm, plan_names=("tune",)):
 
 def retuned_runs():
     """The arms whose best setting moved once the `edges` runs joined the choice."""
-    choices = [(best_settings(arm, TUNING_PLANS), best_settings(arm)) for arm in ARMS]
+    choices = [(best_settings(arm, FIRST_TUNING), best_settings(arm)) for arm in ARMS]
     return [with_edges for with_edges, tune_only in choices if with_edges != tune_only]
 
 
 def planned_runs(plan_name):
     """(out_dir, train.py arguments) of every run of the plan, in order."""
     plan = PLANS[plan_name]
-    runs = ([best_settings(arm) for arm in ARMS] if plan["runs"] == "best"
+    runs = ([best_settings(arm, (plan.get("tuned_on", "tune"),)) for arm in ARMS] if plan["runs"] == "best"
             else retuned_runs() if plan["runs"] == "retuned" else plan["runs"])
     out = []
     for seed in plan["seeds"]:  # all arms at one seed before the next: a cut-short sweep stays comparable
         for run in runs:
             out_dir = os.path.join(STUDY_DIR, plan_name, run_name(run, seed))
-            evaluations = 1 if plan_name in TUNING_PLANS else 4  # the curves need points; tuning only the end
+            evaluations = plan.get("evaluations", 1 if plan_name in TUNING_PLANS else 4)  # curves need points; tuning the end
             args = [f"--embedding={run['arm']}", f"--data_dir={plan['data']}", f"--out_dir={out_dir}",
                     f"--lr={run['lr']}", f"--lr_input={run['lr_input']}", f"--seed={seed}",
                     f"--total_tokens={plan['steps'] * BATCH_TOKENS}", f"--eval_interval={plan['steps'] // evaluations}",
                     "--eval_tokens=1000000000"]  # the whole validation half
             args += [] if run["arm"] == "tied" else [f"--lr_head={run['lr_head']}"]
-            out.append((out_dir, args + STUDY_FORM + plan["options"]))
+            out.append((out_dir, args + plan["options"]))
     return out
 
 
