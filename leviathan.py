@@ -335,7 +335,7 @@ def token_losses(x, weight, targets):
                       for c in loss_chunks(len(x), len(w))])
 
 
-class LinearCrossEntropy(torch.autograd.Function):
+def linear_cross_entropy(x, weight, targets):
     """Mean cross-entropy of logits = x W^T, chunk by chunk over positions.
 
     Materialised whole, the logits, their log-softmax and their gradient are three float32
@@ -343,41 +343,59 @@ class LinearCrossEntropy(torch.autograd.Function):
     logits live only long enough to give its loss and, at once, the gradients
     dL/dx = G W and dL/dW = G^T x with G = (softmax - onehot) / N; backward only scales
     them by the incoming gradient. Same arithmetic as autograd, one chunk of logits at a time."""
+    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
 
-    @staticmethod
-    def forward(ctx, x, weight, targets):
-        n = len(x)
-        w = weight.to(head_dtype(x, weight))
-        total = torch.zeros((), device=x.device)
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for c in loss_chunks(n, len(w)):
-            x_c, target_c = x[c].to(w.dtype), targets[c]
-            logits = F.linear(x_c, w).float()
-            lse = logits.logsumexp(-1)
-            total += (lse - logits.gather(1, target_c[:, None]).squeeze(1)).sum()
-            if grad_x is None and grad_w is None:
-                continue
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g.scatter_add_(1, target_c[:, None], torch.full_like(g[:, :1], -1.0))
-            g = g.div_(n).to(w.dtype)
-            if grad_x is not None:
-                grad_x[c] = g @ w
-            if grad_w is None:
-                continue
-            if g.dtype == grad_w.dtype:
-                grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
-            else:
-                grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
-        ctx.weight_dtype = weight.dtype
-        ctx.save_for_backward(grad_x, grad_w)
-        return total / n
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
-        return (None if grad_x is None else grad_x * grad_loss.to(grad_x.dtype),
-                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None)
+# A custom operator, so that torch.compile treats the loss as one opaque call: traced, its loop
+# would be unrolled and inductor would keep a [V, D] partial of dL/dW per chunk alive (~0.8 GB
+# each in bf16 at 1.2b), so the memory would depend on how many chunks the micro-batch makes.
+@torch.library.custom_op("leviathan::chunked_cross_entropy", mutates_args=())
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                          with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads."""
+    n = len(x)
+    w = weight.to(dtype)
+    total = torch.zeros((), device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else x.new_empty(0)
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grads else x.new_empty(0)
+    for c in loss_chunks(n, len(w)):
+        x_c, target_c = x[c].to(w.dtype), targets[c]
+        logits = F.linear(x_c, w).float()
+        lse = logits.logsumexp(-1)
+        total += (lse - logits.gather(1, target_c[:, None]).squeeze(1)).sum()
+        if not with_grads:
+            continue
+        g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+        g.scatter_add_(1, target_c[:, None], torch.full_like(g[:, :1], -1.0))
+        g = g.div_(n).to(w.dtype)
+        grad_x[c] = g @ w
+        if g.dtype == grad_w.dtype:
+            grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
+        else:
+            grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+    return total / n, grad_x, grad_w
+
+
+@chunked_cross_entropy.register_fake
+def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the compiler
+    empty = x.new_empty(0)
+    return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if with_grads else empty,
+            torch.empty_like(weight, dtype=torch.float32) if with_grads else empty)
+
+
+def save_gradients(ctx, inputs, output):
+    ctx.weight_dtype = inputs[1].dtype
+    ctx.save_for_backward(*output[1:])
+
+
+def scale_gradients(ctx, grad_loss, *_):
+    """Backward of chunked_cross_entropy: the gradients forward computed, times dLoss."""
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_gradients)
 
 
 # -----------------------------------------------------------------------------
@@ -445,7 +463,7 @@ class Model(nn.Module):
             return self.head(x).float()
         if reduction == "none":
             return token_losses(x.flatten(0, 1), self.head.weight, targets.flatten()).view(targets.shape)
-        return LinearCrossEntropy.apply(x.flatten(0, 1), self.head.weight, targets.flatten())
+        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten())
 
     def new_cache(self, batch, device=None, dtype=None):
         p = self.head.weight

@@ -930,6 +930,29 @@ def test_chunked_loss_equals_full_cross_entropy(embedding, monkeypatch):
     assert bf16_loss.dtype == torch.float32 and abs(bf16_loss.item() - reference.item()) < 0.02
 
 
+def test_compiler_sees_the_loss_as_one_opaque_call(monkeypatch):
+    """torch.compile's graph holds the chunked loss as one call of its custom operator, however
+    many chunks it makes: traced instead, the chunk loop would be unrolled into the graph and
+    inductor would keep each chunk's [V, D] partial of dL/dW. Gradients equal eager's."""
+    monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", 7 * MICRO.vocab_size)  # 8 chunks
+    torch._dynamo.reset()
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    x, weight = torch.randn(50, 16, requires_grad=True), torch.randn(MICRO.vocab_size, 16, requires_grad=True)
+    targets = torch.randint(0, MICRO.vocab_size, (50,))
+    compiled = torch.compile(leviathan.linear_cross_entropy, backend=recording_backend, fullgraph=True)
+    grads = torch.autograd.grad(compiled(x, weight, targets), (x, weight))
+    calls = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert calls.count(torch.ops.leviathan.chunked_cross_entropy.default) == 1
+    assert len(calls) == 2, calls  # the operator and taking the loss out of its outputs: nothing else
+    for g, ref in zip(grads, torch.autograd.grad(leviathan.linear_cross_entropy(x, weight, targets), (x, weight))):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)
+
+
 def test_compiled_model_does_not_recompile_when_distinct_ids_change():
     """Model.compile: LEV's torch.unique stays outside the compiled graph and its generator is
     compiled with a dynamic N, so batches with different numbers of distinct ids reuse the graphs."""
