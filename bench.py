@@ -3,6 +3,7 @@
     python bench.py              # every section but gpu
     python bench.py model        # lev vs tied vs untied step time and peak memory
     python bench.py model --compile
+    python bench.py memory       # the README's memory table: what the compiled graph saves, at each paper size
     python bench.py gpu          # the acceptance test on a CUDA GPU: PASS or FAIL, exit status 1 on FAIL
 
 Ratios are what to compare: each is measured within one run, the arms interleaved
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 
 from cli import ArgumentParser, UserError, run_main
 from data import demo_documents, get_tokenizer, load_meta, write_json
-from leviathan import (EMBEDDINGS, LEV, SIZES, Config, Fused, LinearCrossEntropy, Model, compile_lev, generate,
-                       padded_vocab)
+from leviathan import (EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, SIZES, Config, Fused, Model, compile_lev, generate,
+                       linear_cross_entropy, padded_vocab)
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -269,14 +270,14 @@ def bench_train(args, device):
 def bench_loss(args, device):
     """The loss at the o200k configuration (2,048 positions, D = 128, V = 200,064), forward and
     backward through the head: F.cross_entropy on the full float32 logits against the chunked
-    LinearCrossEntropy that Model.forward uses, interleaved."""
+    linear_cross_entropy that Model.forward uses, interleaved."""
     torch.manual_seed(0)
     n, d_model, vocab = 2048, 128, padded_vocab(get_tokenizer("o200k_base").n_vocab)
     x = torch.randn(n, d_model, device=device, requires_grad=True)
     weight = (0.02 * torch.randn(vocab, d_model, device=device)).requires_grad_()
     targets = torch.randint(0, vocab, (n,), device=device)
     ways = {"full logits": lambda: F.cross_entropy(F.linear(x, weight).float(), targets),
-            "chunked": lambda: LinearCrossEntropy.apply(x, weight, targets)}
+            "chunked": lambda: linear_cross_entropy(x, weight, targets)}
     times, peaks = {way: [] for way in ways}, {way: 0 for way in ways}
     for _, way in itertools.product(range(args.repeats + 1), ways):
         x.grad = weight.grad = None
@@ -324,9 +325,75 @@ def bench_loss(args, device):
 #            LEV alone (its compilation, partly cached) 40 s = 455 s, 7.6 min. With NVMe ~360 s, 6 min.
 #            With 2+ GPUs the DDP run (a graph of its own to compile) joins the first two: ~+0.5 min.
 
+def saved_by_compiled_graph(cfg, tokens):
+    """Bytes the compiled lev model saves for backward on one micro-batch of `tokens` ids under
+    bf16 autocast (inductor on this CPU; its partitioner decides what to save as on a GPU),
+    parameters themselves excluded: what the backward keeps alive on top of the weights."""
+    torch._dynamo.reset()
+    model = Model(cfg)
+    model.compile()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def record(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    idx = torch.randint(0, cfg.vocab_size, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor), torch.autocast("cpu", torch.bfloat16):
+        model(idx, idx)
+    return sum(saved.values())
+
+
+def parameter_count(cfg):
+    with torch.device("meta"):  # shapes only, no memory
+        return sum(p.numel() for p in Model(cfg).parameters())
+
+
+def memory_estimate(size):
+    """Bytes per GPU for the lev arm of a paper size at its micro-batch, by part. What the compiled
+    graph saves is measured at 1 and 2 layers and 128 and 256 tokens, and fitted as
+    a + b*layers + c*tokens + d*layers*tokens: b is each layer's bf16 weight copies, d its activations."""
+    preset = SIZES[size]
+    base = dataclasses.replace(preset.model, embedding="lev")
+    m = {(layers, tokens): saved_by_compiled_graph(dataclasses.replace(base, n_layer=layers, seq_len=tokens), tokens)
+         for layers in (1, 2) for tokens in (128, 256)}
+    d = (m[2, 256] - m[1, 256] - m[2, 128] + m[1, 128]) / 128
+    b = m[2, 128] - m[1, 128] - 128 * d
+    c = (m[1, 256] - m[1, 128]) / 128 - d
+    a = m[1, 128] - b - 128 * c - 128 * d
+    layers, tokens, V, D = base.n_layer, preset.micro_batch * base.seq_len, base.vocab_size, base.d_model
+    chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // V))
+    # The peak comes with every activation saved: at the end of forward, inside the loss (a chunk's
+    # float32 logits and bf16 softmax, the bf16 head and a bf16 [V, D] product), or at the start of
+    # backward (dL/dW scaled, float32 [V, D], and a layer's activation gradients), the larger.
+    in_flight = max(chunk * V * 6 + 2 * V * D * 2, V * D * 4 + d * tokens)
+    return {
+        "weights, gradients, AdamW (16 B per parameter)": 16 * parameter_count(base),
+        "bf16 weight copies saved": b * layers,
+        f"activations saved ({d / D:.0f} D bytes per token and layer)": d * layers * tokens,
+        "embedding, final norm, loss gradients saved": a + c * tokens,
+        "in flight at the peak (the loss's chunk, or backward's first step)": in_flight,
+    }
+
+
+def bench_memory(args, device):
+    """The README's memory table: GB per GPU for each paper size's lev arm, part by part."""
+    for size in ("200m", "400m", "1.2b"):
+        parts = memory_estimate(size)
+        print(f"\n{size}, lev, micro-batch {SIZES[size].micro_batch} x {SIZES[size].model.seq_len}, one GPU or DDP (GB)")
+        for name, value in parts.items():
+            print(f"  {name:<64}{value / 1e9:6.2f}")
+        print(f"  {'total (DDP adds nothing: the gradients are its buckets)':<64}{sum(parts.values()) / 1e9:6.2f}"
+              f"   (README and bench.py gpu: {MEMORY_ESTIMATE_GB[size][0]})", flush=True)
+
+
 # The README's memory estimates ("Memory and time"), GB per GPU at micro-batch 16 x 512: (one GPU,
-# with DDP). The README's table must say the same (test_bench_gpu_memory_estimates_match_the_readme).
-MEMORY_ESTIMATE_GB = {"200m": (10, 10), "400m": (16, 16), "1.2b": (37, 37)}  # DDP: gradients are bucket views
+# with DDP), `python bench.py memory` rounded up. The README's table must say the same
+# (test_bench_gpu_memory_estimates_match_the_readme).
+MEMORY_ESTIMATE_GB = {"200m": (9, 9), "400m": (16, 16), "1.2b": (38, 38)}  # DDP: gradients are bucket views
 
 # Each check's threshold, and why. A check fails when its figure is above it, or was not measured.
 THRESHOLDS = {
@@ -682,7 +749,7 @@ def report_gpu(figures, json_path):
 
 
 SECTIONS = {"model": bench_model, "loss": bench_loss, "data": bench_data, "train": bench_train, "sample": bench_sample,
-            "gpu": bench_gpu}
+            "memory": bench_memory, "gpu": bench_gpu}
 
 
 def bench(argv):
