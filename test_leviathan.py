@@ -7,6 +7,7 @@ Sections, in pipeline order (search for the heading):
     train.py     training, resuming, DDP, checkpoints, evaluation, bad input
     sample.py    generation, the frozen LEV table, decoding, the command line
     evaluate.py  the lm-eval adapter and its command line
+    compare.py   the paper's comparison in one command
     study.py     the CPU-scale study (study/study.py): its data split, table and errors
     the rest     which module imports which, bench.py's options, the README's test command
 """
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 import zstandard
 
 import checkpoint
+import compare
 import data
 import evaluate
 import leviathan
@@ -1952,6 +1954,54 @@ def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "lm_eval", None)
     code = evaluate.main(["--out_dir=anywhere"])
     assert_one_error_line(code, capsys.readouterr().err, 'pip install "lm-eval>=0.4.10,<0.5"')
+
+
+# ---------------------------------------------------------------------------- compare.py
+
+
+def test_tokens_to_reach_interpolates_between_evaluations():
+    records = [dict(tokens_seen=t, val_loss=l) for t, l in ((100, 5.0), (200, 4.0), (300, 3.0))]
+    assert compare.tokens_to_reach(records, 3.5) == pytest.approx(250)  # halfway from 4.0 to 3.0
+    assert compare.tokens_to_reach(records, 5.5) == 100  # already there at the first evaluation
+    assert compare.tokens_to_reach(records, 2.9) is None
+
+
+@needs_lm_eval
+def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_path):
+    """compare.py end to end at a micro shape on CPU: three arms trained, a local lm-eval task
+    evaluated on each, and the table's figures read back from each run's own files. Run again,
+    it trains and evaluates nothing (each step is skipped when done) and writes the same table."""
+    task = write_choice_task(tmp_path / "tasks", [{"question": f"Is {w} a word?", "choices": ["yes", "no"], "label": 0}
+                                                  for w in ("cat", "dog", "sun", "sea")])
+    out = tmp_path / "cmp"
+    args = ["--size=tiny", "--tasks=local_choice", f"--include_path={task}", f"--out_dir={out}", "--",
+            f"--data_dir={train_data}", *TRAIN_ARGS[1:], "--total_tokens=5120", "--eval_interval=5"]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    first = run_script("compare.py", *args, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    table = (out / "table.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines() if line.startswith("| ")}
+    for arm, column in zip(compare.ARMS, range(3)):
+        final = json.loads((out / arm / "eval_step10.json").read_text())  # 10 steps of 512 tokens
+        assert rows["validation perplexity"][column] == f"{final['val_ppl']:.2f}"
+        accuracy = json.loads((out / arm / "downstream.json").read_text())["local_choice"]["metrics"]["acc"][0]
+        assert rows["local_choice acc"][column] == f"{accuracy:.4f}"
+    lev, tied = (json.loads((out / arm / "eval_step10.json").read_text())["val_ppl"] for arm in ("lev", "tied"))
+    assert rows["validation perplexity"][3] == f"{100 * (lev / tied - 1):+.1f}%"
+    assert any(label.startswith("ppl, rarest bucket") for label in rows)
+    again = run_script("compare.py", *args, env=env, timeout=600)
+    assert again.returncode == 0 and "train.py" not in again.stdout, again.stdout + again.stderr
+    assert [f"{arm}: trained ({out / arm})" for arm in compare.ARMS] == again.stdout.splitlines()[:3]
+    assert (out / "table.md").read_text() == table
+
+
+@pytest.mark.parametrize("args, phrase", [
+    ([], "the following arguments are required: --size"),
+    (["--size=7b"], "--size=7b: choose one of tiny, 200m, 400m, 1.2b"),
+    (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
+])
+def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
+    assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
 
 
 # ---------------------------------------------------------------------------- study.py
