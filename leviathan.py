@@ -120,6 +120,15 @@ def bspline_basis(t, knots):
     return beta / beta.sum(-1, keepdim=True)
 
 
+def id_bucket(n):
+    """How many rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power
+    of two (at most 25% more). The compiled generator then meets 4 shapes per doubling of n, not
+    a new one every batch: its kernels keep their block sizes (reproducible sums) and shapes
+    repeat, as CUDA graphs need. The extra rows get no gradient: no position gathers them."""
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
 class LEV(nn.Module):
     """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
       -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
@@ -207,8 +216,9 @@ class LEV(nn.Module):
         distinct o200k ids. Their number changes every batch, so torch.unique stays outside
         torch.compile, and the backbone after it always sees [B, T, D]."""
         unique, inverse = torch.unique(ids, return_inverse=True)
+        rows = F.pad(unique, (0, id_bucket(len(unique)) - len(unique)))  # id 0 fills; never gathered
         # F.embedding, not generate(unique)[inverse]: bit-exact gradients (see coordinates)
-        return F.embedding(inverse, self.generate(unique))
+        return F.embedding(inverse, self.generate(rows))
 
     @torch.no_grad()
     def as_table(self, chunk=1024):

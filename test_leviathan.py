@@ -761,6 +761,29 @@ def test_compiled_generator_keeps_the_product_eager():
     assert graphs and not any("frexp" in code for code in graphs)
 
 
+def test_lev_generates_a_bucket_of_rows_and_the_extra_rows_change_nothing(monkeypatch):
+    """LEV.forward generates id_bucket(n) rows for n distinct ids (at most 25% more, 4 sizes per
+    doubling); the output and every gradient are those of generating exactly the n rows."""
+    assert [leviathan.id_bucket(n) for n in (1, 8, 9, 100, 1025, 3900)] == [1, 8, 10, 112, 1280, 4096]
+    assert all(n <= leviathan.id_bucket(n) <= 1.25 * n for n in range(1, 5000))
+    assert len({leviathan.id_bucket(n) for n in range(1025, 2049)}) == 4
+    lev = micro_model("lev").lev
+    generated, generate = [], lev.generate
+    monkeypatch.setattr(lev, "generate", lambda rows: generated.append(len(rows)) or generate(rows))
+    for n in (37, 300):
+        ids = torch.randperm(MICRO.vocab_size)[:n].repeat(3)  # n distinct ids, each 3 times
+        weights = torch.randn(len(ids), MICRO.d_model)
+        out = lev(ids)
+        grads = torch.autograd.grad((out * weights).sum(), list(lev.parameters()))
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        exact = F.embedding(inverse, generate(unique))
+        exact_grads = torch.autograd.grad((exact * weights).sum(), list(lev.parameters()))
+        assert generated[-1] == leviathan.id_bucket(n) > n
+        torch.testing.assert_close(out, exact, rtol=1e-6, atol=1e-7)
+        for g, ref in zip(grads, exact_grads, strict=True):
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
 def test_lev_parameter_count():
     with torch.device("meta"):
         paper = LEV(200_376, 2048)
