@@ -126,6 +126,11 @@ class CheckpointWriter:
         print(f"checkpoint: step {step}, {os.path.getsize(path) / 1e9:.2f} GB written in {time.time() - start:.1f} s "
               "(training went on meanwhile)", flush=True)
 
+    def finish(self):
+        """At exit, after an error elsewhere: let a write in flight complete, keeping that error."""
+        if self.thread is not None:
+            self.thread.join()
+
     def wait(self):
         """Until the write in flight is on disk; raises its error, if it failed."""
         if self.thread is not None:

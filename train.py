@@ -528,8 +528,8 @@ def loop(run):
             print_error(e)
         return 1
     finally:
-        if run.rank == 0 and run.writer.thread is not None:
-            run.writer.thread.join()  # a checkpoint still being written is completed
+        if run.rank == 0:
+            run.writer.finish()  # a checkpoint still being written is completed
 
 
 def main(argv):
