@@ -2107,6 +2107,27 @@ def test_study_runs_from_the_root_and_refuses_a_time_that_does_not_exist():
     assert_one_error_line(r.returncode, r.stderr, "--deadline=25:99", "hours 0-23 and minutes 0-59")
 
 
+def test_study_width_rule_finds_a_known_optimum_and_its_power_law(tmp_path, capsys):
+    """Width-sweep runs whose loss is a parabola in log(multiplier) with its vertex at
+    x(D) = x0 (D / 128)^-0.5: the table gives that vertex at each width, the exponent -0.5 and
+    x0 (D / 128)^-0.5 at the paper's widths. A vertex beyond the grid gives the grid's edge."""
+    centre = {("tied", "lr_input"): 20.0, ("untied", "lr_head"): 40.0, ("lev", "lr_head"): 50.0, ("lev", "lr_input"): 0.2}
+    for width in study.WIDTHS:
+        for run in study.multiplier_grid():
+            moved = next(m for a, m, held, value in study.WIDTH_LINES if a == run["arm"] and run[held] == value)
+            best = centre[run["arm"], moved] * (width / 128) ** -0.5
+            out_dir = tmp_path / f"width{width}" / study.run_name(run, study.SEEDS[0])
+            out_dir.mkdir(parents=True)
+            loss = 3 + math.log(run[moved] / best) ** 2
+            data.write_json(str(out_dir / "eval_step110.json"), {"step": 110, "val_loss": loss})
+    study.width_rule(str(tmp_path))
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tied")]
+    assert len(rows) == 1 and rows[0][-4] == "-0.50", rows
+    assert "best x28.3" in rows[0][2] and "best x20" in rows[0][3] and "best x14.1" in rows[0][4]
+    assert rows[0][-3:] == ["x8.16", "x7.07", "x5 |"]  # 20 (D / 128)^-0.5 at 768, 1024, 2048
+    assert study.best_multiplier([10.0, 30.0, 100.0], [3.0, 2.9, 2.8]) == 100.0  # the edge, not beyond
+
+
 def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
     study.table(str(tmp_path))
     out = capsys.readouterr().out

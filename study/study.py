@@ -298,6 +298,55 @@ def table(root=STUDY_DIR):
               + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
     for plan in sorted({key[0] for key in groups} - set(TUNING_PLANS)):
         bucket_table(plan, {key[1]: evs for key, evs in groups.items() if key[0] == plan})
+    width_rule(root)
+
+
+# The width sweep's four lines: (arm, the multiplier moved, the one held, its value).
+WIDTH_LINES = (("tied", "lr_input", "lr_head", 1.0), ("untied", "lr_head", "lr_input", 1.0),
+               ("lev", "lr_head", "lr_input", 0.3), ("lev", "lr_input", "lr_head", 30.0))
+PAPER_WIDTHS = {"200m": 768, "400m": 1024, "1.2b": 2048}
+
+
+def best_multiplier(values, losses):
+    """The multiplier at the vertex of the parabola through the three (log x, loss) points, kept
+    within the grid (the grid says nothing beyond it); the best grid point if the parabola has
+    no minimum."""
+    a, b, _ = np.polyfit(np.log(values), losses, 2)
+    if a <= 0:
+        return values[int(np.argmin(losses))]
+    return float(np.clip(np.exp(-b / (2 * a)), min(values), max(values)))
+
+
+def width_rule(root=STUDY_DIR):
+    """Markdown: each line's validation loss per multiplier and width, the best multiplier per
+    width, and its power law in D (fitted to log best against log D) carried to the paper's
+    widths. Nothing when some width runs are missing."""
+    losses = {}
+    for width in WIDTHS:
+        for run in multiplier_grid():
+            ev = final_eval(os.path.join(root, f"width{width}", run_name(run, SEEDS[0])))
+            if ev and ev["step"] == PLANS[f"width{width}"]["steps"]:
+                losses[width, tuple(sorted(run.items()))] = ev["val_loss"]
+    if len(losses) < len(WIDTHS) * len(multiplier_grid()):
+        print(f"\nwidth sweep: {len(losses)} of {len(WIDTHS) * len(multiplier_grid())} runs finished")
+        return
+    print("\nWidth sweep (tuning half, 110 steps): validation loss; best: the fitted optimum\n")
+    print("| arm | multiplier | " + " | ".join(f"D = {w}" for w in WIDTHS) + " | exponent | "
+          + " | ".join(f"D = {d}" for d in PAPER_WIDTHS.values()) + " |")
+    print("|---|---|" + "---|" * (len(WIDTHS) + 1 + len(PAPER_WIDTHS)))
+    for arm, moved, held, held_value in WIDTH_LINES:
+        runs = [r for r in multiplier_grid() if r["arm"] == arm and r[held] == held_value]
+        values = [r[moved] for r in runs]
+        cells, best = [], []
+        for width in WIDTHS:
+            line = [losses[width, tuple(sorted(r.items()))] for r in runs]
+            best.append(best_multiplier(values, line))
+            cells.append(" / ".join(f"{loss:.4f}" for loss in line) + f"; best x{best[-1]:.3g}")
+        exponent = np.polyfit(np.log(WIDTHS), np.log(best), 1)[0]
+        at_128 = best[WIDTHS.index(128)]
+        carried = [f"x{at_128 * (d / 128) ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
+        label = f"{moved} (x{' / x'.join(f'{v:g}' for v in values)}; {held} x{held_value:g})"
+        print(f"| {arm} | {label} | " + " | ".join(cells) + f" | {exponent:+.2f} | " + " | ".join(carried) + " |")
 
 
 def bucket_table(plan, evals_by_arm):
