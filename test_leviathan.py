@@ -2179,15 +2179,15 @@ def test_bench_gpu_verdict_passes_and_fails_each_check():
                                                           "memory 1.2b", "lev_share")}
     assert bench.gpu_failures({"runs": runs, "checks": checks}) == []
     over = {"resume": (5e-7, "5e-07 vs 0"), "ddp": (1.5e-3, "0.0015 vs 0.001"), "eager": (1, "1 vs 0"),
-            "memory 200m": (11.2, "11.2 GB vs 11.0 GB"), "memory 200m ddp": (11.2, "11.2 GB vs 11.0 GB"),
-            "memory 1.2b": (41.0, "41.0 GB vs 40.7 GB"), "lev_share": (0.051, "5.1% vs 5.0%")}
+            "memory 200m": (10.0, "10.0 GB vs 9.9 GB"), "memory 200m ddp": (10.0, "10.0 GB vs 9.9 GB"),
+            "memory 1.2b": (42.0, "42.0 GB vs 41.8 GB"), "lev_share": (0.051, "5.1% vs 5.0%")}
     for check, (figure, text) in over.items():
         assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: figure}}) == [f"FAIL {check}: {text}"]
         assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: None}}) == [
             f"FAIL {check}: not measured vs {text.split(' vs ')[1]}"]
     crashed = {**runs, "1.2b": {"exit": 1, "error": "error: CUDA out of memory"}}
     assert bench.gpu_failures({"runs": crashed, "checks": {**checks, "memory 1.2b": None, "lev_share": None}}) == [
-        "FAIL run 1.2b: exit status 1 (error: CUDA out of memory) vs 0", "FAIL memory 1.2b: not measured vs 40.7 GB",
+        "FAIL run 1.2b: exit status 1 (error: CUDA out of memory) vs 0", "FAIL memory 1.2b: not measured vs 41.8 GB",
         "FAIL lev_share: not measured vs 5.0%"]
 
 

@@ -319,8 +319,8 @@ def best_multiplier(values, losses):
 
 def width_rule(root=STUDY_DIR):
     """Markdown: each line's validation loss per multiplier and width, the best multiplier per
-    width, and its power law in D (fitted to log best against log D) carried to the paper's
-    widths. Nothing when some width runs are missing."""
+    width, and the power law in D fitted to them (least squares of log best on log D) carried to
+    the paper's widths. Only a count while some width runs are missing."""
     losses = {}
     for width in WIDTHS:
         for run in multiplier_grid():
@@ -342,9 +342,8 @@ def width_rule(root=STUDY_DIR):
             line = [losses[width, tuple(sorted(r.items()))] for r in runs]
             best.append(best_multiplier(values, line))
             cells.append(" / ".join(f"{loss:.4f}" for loss in line) + f"; best x{best[-1]:.3g}")
-        exponent = np.polyfit(np.log(WIDTHS), np.log(best), 1)[0]
-        at_128 = best[WIDTHS.index(128)]
-        carried = [f"x{at_128 * (d / 128) ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
+        exponent, log_scale = np.polyfit(np.log(WIDTHS), np.log(best), 1)
+        carried = [f"x{np.exp(log_scale) * d ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
         label = f"{moved} (x{' / x'.join(f'{v:g}' for v in values)}; {held} x{held_value:g})"
         print(f"| {arm} | {label} | " + " | ".join(cells) + f" | {exponent:+.2f} | " + " | ".join(carried) + " |")
 
