@@ -7,6 +7,7 @@ Run from the repository root:
     python prepare_data.py --dataset=demo --vocab_size=32768 --name=demo32k
     python study/study.py prepare             # data/<name>-tune and data/<name>-final (val cut in two)
     python study/study.py sweep tune final vocab32k long edges retuned [--deadline=HH:MM]
+    python study/study.py sweep width64 width128 width256 tune-long compare-long   # the second part
     python study/study.py table               # every run, the seed summary, the frequency buckets
     python study/study.py plot                # study/figures/*.png (needs `pip install matplotlib`)
 
@@ -16,7 +17,8 @@ added after the results of `tune`, `final`, `vocab32k` and `long` were known, so
 of the protocol fixed beforehand. Learning rates are chosen on the TUNING half of the validation
 split; the tables report the FINAL half, which no choice saw. Plans run in the order given;
 `final`, `vocab32k` and `long` use each arm's best `tune` run, so `tune` must be finished first,
-and `retuned` needs `edges`. `sweep` drives train.py in a subprocess, one run at a time, skips
+and `retuned` needs `edges`. The second part (the width sweep, `tune-long` and `compare-long`, which
+needs `tune-long`) was fixed before any of its runs. `sweep` drives train.py in a subprocess, one run at a time, skips
 finished runs and resumes interrupted ones, so it can be stopped and started again at will.
 On a machine busy with other jobs, `OMP_NUM_THREADS=1 python study/study.py sweep ...` trains
 faster: two OpenMP threads on oversubscribed cores spend their time waiting for each other.
