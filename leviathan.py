@@ -617,10 +617,24 @@ class Preset:
     lr_scales: dict  # arm -> (lr_input, lr_head), multipliers of lr (Model.configure_optimizers)
 
 
-# (lr_input, lr_head) per arm: the best on the tuning half of the CPU-scale study (study/README.md,
-# D = 128): the tied table and the zero-initialised untied head want ~30x the backbone's rate,
-# LEV ~0.3x. Not measured at any other width; every size uses them unchanged.
-STUDY_LR_SCALES = {"lev": (0.3, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)}
+# (lr_input, lr_head) per arm at D = 128, the tiny preset: the best of the CPU-scale study's
+# width sweep there (study/README.md: tuning half, 110 steps, the paper's step 3b): the tied table
+# and the zero-initialised untied heads want ~30x the backbone's rate, LEV 0.1x.
+TINY_LR_SCALES = {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)}
+
+# The paper sizes' multipliers follow the width sweep (D = 64, 128, 256): for each multiplier
+# whose best fell with D, the power law x_128 (D / 128)^e fitted to it, carried 3-16x past the
+# widths measured (an extrapolation). The heads' laws fall nearly as 1/D, as muP has an output
+# layer's Adam rate fall; the tied table, also the input, falls more slowly. LEV's x0.1 was the
+# best of its grid at every width, at the grid's edge, so it has no law and stays.
+WIDTH_LAWS = {"tied": (20.7, -0.26), "untied": (29.2, -0.67), "lev": (29.7, -0.72)}  # (x_128, e)
+
+
+def paper_lr_scales(d_model):
+    """(lr_input, lr_head) per arm at width d_model, by WIDTH_LAWS, to two significant digits."""
+    x = {arm: float(f"{x_128 * (d_model / 128) ** e:.2g}") for arm, (x_128, e) in WIDTH_LAWS.items()}
+    return {"lev": (0.1, x["lev"]), "tied": (x["tied"], 1.0), "untied": (1.0, x["untied"])}
+
 
 # The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter).
 # Learning rate, warmup and decay, which it does not publish, are conservative GPT-3/Pythia
@@ -631,7 +645,7 @@ STUDY_LR_SCALES = {"lev": (0.3, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0
 # is 154M of the 200M model, which leaves it 7 layers.
 #   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (test_size_presets_match_the_paper)
 PAPER = dict(dataset="pile", batch_tokens=512 * 512, micro_batch=16, warmup_steps=1000, eval_interval=1000,
-             eval_tokens=1 << 22, ckpt_interval=1000, lr_scales=STUDY_LR_SCALES)
+             eval_tokens=1 << 22, ckpt_interval=1000)
 SIZES = {
     # tiny: minutes on a 2-core CPU on the demo corpus (8,192-id vocabulary), 660 steps; lr 3e-3
     # trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
@@ -641,10 +655,13 @@ SIZES = {
     "tiny": Preset(Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256, lev_heads=4, lev_rank=32),
                    dataset="demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
                    warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200,
-                   lr_scales=STUDY_LR_SCALES),
-    "200m": Preset(Config(d_model=768, n_layer=7, n_head=6), total_tokens=4_200_000_000, lr=6e-4, **PAPER),
-    "400m": Preset(Config(d_model=1024, n_layer=15, n_head=8), total_tokens=8_400_000_000, lr=3e-4, **PAPER),
-    "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4, **PAPER),
+                   lr_scales=TINY_LR_SCALES),
+    "200m": Preset(Config(d_model=768, n_layer=7, n_head=6), total_tokens=4_200_000_000, lr=6e-4,
+                   lr_scales=paper_lr_scales(768), **PAPER),
+    "400m": Preset(Config(d_model=1024, n_layer=15, n_head=8), total_tokens=8_400_000_000, lr=3e-4,
+                   lr_scales=paper_lr_scales(1024), **PAPER),
+    "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4,
+                   lr_scales=paper_lr_scales(2048), **PAPER),
 }
 
 

@@ -2122,7 +2122,7 @@ def test_study_width_rule_finds_a_known_optimum_and_its_power_law(tmp_path, caps
             data.write_json(str(out_dir / "eval_step110.json"), {"step": 110, "val_loss": loss})
     study.width_rule(str(tmp_path))
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tied")]
-    assert len(rows) == 1 and rows[0][-4] == "-0.50", rows
+    assert len(rows) == 1 and rows[0][-4] == "x20 (D / 128)^-0.50", rows
     assert "best x28.3" in rows[0][2] and "best x20" in rows[0][3] and "best x14.1" in rows[0][4]
     assert rows[0][-3:] == ["x8.16", "x7.07", "x5 |"]  # 20 (D / 128)^-0.5 at 768, 1024, 2048
     assert study.best_multiplier([10.0, 30.0, 100.0], [3.0, 2.9, 2.8]) == 100.0  # the edge, not beyond

@@ -333,21 +333,22 @@ def width_rule(root=STUDY_DIR):
         print(f"\nwidth sweep: {len(losses)} of {len(WIDTHS) * len(multiplier_grid())} runs finished")
         return
     print("\nWidth sweep (tuning half, 110 steps): validation loss; best: the fitted optimum\n")
-    print("| arm | multiplier | " + " | ".join(f"D = {w}" for w in WIDTHS) + " | exponent | "
+    print("| arm | multiplier | " + " | ".join(f"D = {w}" for w in WIDTHS) + " | fitted law | "
           + " | ".join(f"D = {d}" for d in PAPER_WIDTHS.values()) + " |")
     print("|---|---|" + "---|" * (len(WIDTHS) + 1 + len(PAPER_WIDTHS)))
     for arm, moved, held, held_value in WIDTH_LINES:
-        runs = [r for r in multiplier_grid() if r["arm"] == arm and r[held] == held_value]
+        runs = sorted((r for r in multiplier_grid() if r["arm"] == arm and r[held] == held_value), key=lambda r: r[moved])
         values = [r[moved] for r in runs]
         cells, best = [], []
         for width in WIDTHS:
             line = [losses[width, tuple(sorted(r.items()))] for r in runs]
             best.append(best_multiplier(values, line))
             cells.append(" / ".join(f"{loss:.4f}" for loss in line) + f"; best x{best[-1]:.3g}")
-        exponent, log_scale = np.polyfit(np.log(WIDTHS), np.log(best), 1)
-        carried = [f"x{np.exp(log_scale) * d ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
+        exponent, log_scale = np.polyfit(np.log(np.array(WIDTHS) / 128), np.log(best), 1)
+        law = f"x{np.exp(log_scale):.3g} (D / 128)^{exponent:+.2f}"
+        carried = [f"x{np.exp(log_scale) * (d / 128) ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
         label = f"{moved} (x{' / x'.join(f'{v:g}' for v in values)}; {held} x{held_value:g})"
-        print(f"| {arm} | {label} | " + " | ".join(cells) + f" | {exponent:+.2f} | " + " | ".join(carried) + " |")
+        print(f"| {arm} | {label} | " + " | ".join(cells) + f" | {law} | " + " | ".join(carried) + " |")
 
 
 def bucket_table(plan, evals_by_arm):
