@@ -93,15 +93,13 @@ def train(args, arm):
 
 def evaluate_downstream(args, arm, tasks):
     """evaluate.py, in this process, on the tasks this arm has no result for yet."""
-    if evaluate.lm_eval is None:
-        raise UserError(f"downstream tasks need EleutherAI's lm-evaluation-harness: {evaluate.INSTALL} "
-                        "(or pass --tasks= to skip them)")
     run_dir = os.path.join(args.out_dir, arm)
     done = os.path.join(run_dir, evaluate.RESULTS_FILE)
     missing = [t for t in tasks if t not in (read_json(done) if os.path.exists(done) else {})]
     if missing:
         options = [f"--out_dir={run_dir}", f"--tasks={','.join(missing)}", f"--device={'cuda' if args.gpus else 'cpu'}"]
-        evaluate.evaluate(evaluate.parse_args(options + ([f"--include_path={args.include_path}"] if args.include_path else [])))
+        options += [f"--include_path={args.include_path}"] if args.include_path else []
+        evaluate.evaluate(evaluate.parse_args(options))
 
 
 # ---------------------------------------------------------------------------- the table
@@ -154,9 +152,11 @@ def downstream_rows(args, tasks):
 def table(args, tasks):
     """The paper's table as markdown: each arm's figure, lev against tied and untied, the paper's."""
     records = {arm: eval_records(os.path.join(args.out_dir, arm)) for arm in ARMS}
-    last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json")) for arm in ARMS}
+    last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json"))
+            for arm in ARMS}
     lines = [f"# Leviathan against its baselines, {args.size}", "",
-             "| | tied | untied | lev | lev vs tied | lev vs untied | paper, lev vs tied |", "|---|---|---|---|---|---|---|"]
+             "| | tied | untied | lev | lev vs tied | lev vs untied | paper, lev vs tied |",
+             "|---|---|---|---|---|---|---|"]
 
     def row(label, values, paper="", fmt="{:.4f}"):
         cells = [fmt.format(values[a]) for a in ARMS]
@@ -183,6 +183,9 @@ def table(args, tasks):
 def compare(argv):
     args = parse_args(argv)
     tasks = [t for t in (args.tasks if args.tasks is not None else ",".join(evaluate.DEFAULT_TASKS)).split(",") if t]
+    if tasks and evaluate.lm_eval is None:  # said before hours of training, not after
+        raise UserError(f"downstream tasks need EleutherAI's lm-evaluation-harness: {evaluate.INSTALL} "
+                        "(or pass --tasks= to skip them)")
     os.makedirs(args.out_dir, exist_ok=True)
     for arm in ARMS:
         train(args, arm)

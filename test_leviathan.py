@@ -2027,6 +2027,13 @@ def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
     assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
 
 
+def test_compare_without_lm_eval_says_so_before_training(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(evaluate, "lm_eval", None)
+    code = compare.run_main(compare.compare, ["--size=tiny", f"--out_dir={tmp_path / 'cmp'}"])
+    assert_one_error_line(code, capsys.readouterr().err, "lm-evaluation-harness", "--tasks=")
+    assert not (tmp_path / "cmp").exists()  # nothing trained, nothing written
+
+
 # ---------------------------------------------------------------------------- study.py
 
 
