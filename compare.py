@@ -21,8 +21,8 @@ from leviathan import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
 # What the paper reports for lev against tied (arXiv 2601.22040): validation perplexity per size,
-# the tokens lev needs to reach tied's final loss at 1.2B, and, at a size it does not restate in our
-# notes, LAMBADA perplexity and the rarest and most frequent frequency buckets.
+# the tokens lev needs to reach tied's final loss at 1.2B, and three figures quoted here without
+# their model size: LAMBADA perplexity, the rarest and the most frequent frequency bucket.
 PAPER_PPL = {"200m": "-2.1%", "400m": "-5.6%", "1.2b": "-9.2%"}
 PAPER_TOKENS = {"1.2b": "2.1x fewer"}
 PAPER_OTHER = "LAMBADA perplexity -30%; rarest bucket -81%; most frequent bucket near 0"
@@ -41,6 +41,8 @@ def parse_args(argv):
     args = parser.parse_args(own)
     if args.size not in SIZES:
         raise UserError(f"--size={args.size}: choose one of {', '.join(SIZES)}")
+    if args.gpus < 0:
+        raise UserError(f"--gpus={args.gpus}: must be 0 (CPU) or more")
     if any(o.split("=")[0] in ("--size", "--embedding", "--out_dir", "--resume") for o in train_options):
         raise UserError("compare.py sets --size, --embedding, --out_dir and --resume of its train.py runs itself")
     args.out_dir = args.out_dir or os.path.join("out", f"compare-{args.size}")
@@ -175,7 +177,7 @@ def table(args, tasks):
         row(label, values, fmt="{:,.1f}")
     for label, values in downstream_rows(args, tasks):
         row(label, values)
-    lines += ["", f"The paper also reports, at a size not restated here: {PAPER_OTHER}. Evaluated tokens: "
+    lines += ["", f"The paper also reports (model size not given here): {PAPER_OTHER}. Evaluated tokens: "
               f"{last['tied']['eval_tokens']:,}; lower is better for loss and perplexity, higher for accuracy."]
     return "\n".join(lines) + "\n"
 

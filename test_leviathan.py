@@ -2022,6 +2022,7 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
     ([], "the following arguments are required: --size"),
     (["--size=7b"], "--size=7b: choose one of tiny, 200m, 400m, 1.2b"),
     (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
+    (["--size=tiny", "--gpus=-1"], "--gpus=-1: must be 0 (CPU) or more"),
 ])
 def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
     assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
