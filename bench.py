@@ -13,7 +13,6 @@ on the figures (timings vary by machine); `gpu` checks its own against threshold
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import multiprocessing
 import os
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from cli import ArgumentParser, UserError, run_main
-from data import demo_documents, get_tokenizer, load_meta, write_json
+from data import demo_documents, get_tokenizer, load_meta, log_records, write_json
 from leviathan import (EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, SIZES, Config, Fused, Model, compile_lev, generate,
                        linear_cross_entropy, padded_vocab)
 
@@ -259,7 +258,7 @@ def bench_train(args, device):
                             f"--embedding={embedding}", f"--total_tokens={steps * tiny_batch_tokens}", "--eval_interval=1000",
                             f"--out_dir={out_dir}"], check=True, capture_output=True)
             # the first log interval includes start-up; the rest is steady-state training
-            rates[embedding] += [r["tokens_per_s"] for r in train_records(out_dir) if r["step"] > 10]
+            rates[embedding] += [r["tokens_per_s"] for r in log_records(out_dir, "train") if r["step"] > 10]
     print(f"\ntraining loop, tiny preset on the demo corpus, {device.type} ({args.repeats} interleaved runs of {steps} steps)")
     base = statistics.median(rates["tied"])
     for embedding in EMBEDDINGS:
@@ -530,7 +529,7 @@ def train_runs(args, device, ddp, results):
 def read_runs(out_dir, outputs, figures):
     """From the runs' logs and outputs: the loss differences, each run's peak memory and checkpoint,
     and the speed of the two runs timed."""
-    logs = {folder: train_records(os.path.join(out_dir, folder)) for folder in ("200m-whole", "200m-resumed",
+    logs = {folder: log_records(os.path.join(out_dir, folder), "train") for folder in ("200m-whole", "200m-resumed",
                                                                                 "200m-ddp", "1.2b")}
     checks = figures["checks"]
     checks["resume"] = largest_loss_difference(logs["200m-whole"], logs["200m-resumed"], STEPS)
@@ -602,15 +601,6 @@ def error_line(output):
     lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in output.strip().splitlines()] or ["no output"]
     return next((line for line in lines if line.startswith("error:")), None) or next(
         (line for line in lines if re.match(r"\w+(\.\w+)*(Error|Exception)\b", line)), lines[-1])
-
-
-def train_records(run_dir):
-    """The train records of a run's log.jsonl; [] if it wrote none."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if r["type"] == "train"]
 
 
 def largest_loss_difference(a, b, steps):

@@ -17,6 +17,7 @@ import torch
 
 import evaluate  # its lm-eval import is optional: only the downstream step needs it
 from cli import ArgumentParser, UserError, run_main
+from data import log_records
 from leviathan import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
@@ -58,21 +59,12 @@ def read_json(path):
         return json.load(f)
 
 
-def eval_records(run_dir):
-    """The run's evaluations in order: [{step, tokens_seen, val_loss, ...}] from its log."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if r["type"] == "eval"]
-
-
 def trained(run_dir):
     """Whether the run has evaluated at its last step (train.py's last act before exiting)."""
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
         return False
-    records = eval_records(run_dir)
+    records = log_records(run_dir, "eval")
     return bool(records) and records[-1]["tokens_seen"] >= read_json(config_path)["train"]["total_tokens"]
 
 
@@ -153,7 +145,7 @@ def downstream_rows(args, tasks):
 
 def table(args, tasks):
     """The paper's table as markdown: each arm's figure, lev against tied and untied, the paper's."""
-    records = {arm: eval_records(os.path.join(args.out_dir, arm)) for arm in ARMS}
+    records = {arm: log_records(os.path.join(args.out_dir, arm), "eval") for arm in ARMS}
     last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json"))
             for arm in ARMS}
     lines = [f"# Leviathan against its baselines, {args.size}", "",

@@ -354,3 +354,12 @@ def atomic_write(path, write, mode="wb"):
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
+
+
+def log_records(run_dir, kind):
+    """The records of one type ("train" or "eval") in a run's log.jsonl, in order; [] if it wrote none."""
+    path = os.path.join(run_dir, "log.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
