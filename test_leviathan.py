@@ -2088,11 +2088,37 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
     (["sweep", "tune", "--deadline=25:99"], "--deadline=25:99: expected HH:MM with hours 0-23 and minutes 0-59"),
     (["sweep", "tune", "--deadline=23:60"], "--deadline=23:60: expected HH:MM with hours 0-23"),
+    (["sweep", "tune", "--part=2"], "--part=2: expected K/N"),
+    (["sweep", "tune", "--part=0/2"], "--part=0/2: expected 1 <= K <= N"),
     (["table", "--all"], "table takes no options"),
 ])
 def test_study_bad_input_is_a_user_error(argv, message):
     with pytest.raises(UserError, match=re.escape(message)):
         study.main(argv)
+
+
+def test_study_sweep_parts_share_the_runs_without_overlap(tmp_path, monkeypatch, capsys):
+    """Two sweeps with --part=1/2 and --part=2/2 start every run of the plan exactly once between
+    them (train.py stood in for by a recorder)."""
+    started = []
+
+    class FinishedAtOnce:
+        def __init__(self, argv, **kwargs):
+            started.append(next(a for a in argv if a.startswith("--out_dir=")))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(study, "STUDY_DIR", str(tmp_path))
+    monkeypatch.setattr(study, "measured_speed", lambda plan: None)
+    monkeypatch.setattr(study.subprocess, "Popen", FinishedAtOnce)
+    parts = []
+    for k in (1, 2):
+        study.main(["sweep", "tune-long", f"--part={k}/2"])
+        parts.append(set(started))
+        started.clear()
+    planned = {f"--out_dir={out_dir}" for out_dir, _ in study.planned_runs("tune-long")}
+    assert parts[0] and parts[1] and not parts[0] & parts[1] and parts[0] | parts[1] == planned
 
 
 def test_study_bad_input_gives_one_error_line(capsys):

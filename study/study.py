@@ -22,6 +22,12 @@ needs `tune-long`) was fixed before any of its runs. `sweep` drives train.py in 
 finished runs and resumes interrupted ones, so it can be stopped and started again at will.
 On a machine busy with other jobs, `OMP_NUM_THREADS=1 python study/study.py sweep ...` trains
 faster: two OpenMP threads on oversubscribed cores spend their time waiting for each other.
+`--part=K/N` shares a plan's runs among N sweeps, one per core, for example on two cores:
+
+    for k in 1 2; do OMP_NUM_THREADS=1 python study/study.py sweep tune-long --part=$k/2 & done; wait
+    for k in 1 2; do OMP_NUM_THREADS=1 python study/study.py sweep compare-long --part=$k/2 & done; wait
+
+A plan that needs another's results (compare-long needs tune-long) starts after all its parts end.
 """
 import glob
 import json
@@ -221,12 +227,14 @@ def measured_speed(plan):
     return statistics.median(speeds) if speeds else None
 
 
-def sweep(plan_names, deadline=None):
+def sweep(plan_names, deadline=None, part=(1, 1)):
     """Run the plans' runs one at a time. With a deadline: skip a run whose estimated time (from
-    the speed measured on its shape) ends after it, and stop the one in progress when it comes."""
+    the speed measured on its shape) ends after it, and stop the one in progress when it comes.
+    part=(k, n) takes every n-th run from the k-th, so n sweeps on n cores never share a run folder."""
+    k, n = part
     for plan_name in plan_names:
         plan = PLANS[plan_name]
-        for out_dir, args in planned_runs(plan_name):
+        for out_dir, args in planned_runs(plan_name)[k - 1::n]:
             evaluated = final_eval(out_dir)
             if evaluated and evaluated["step"] == plan["steps"]:
                 continue
@@ -445,18 +453,31 @@ def parse_deadline(text):
     return time.mktime(time.localtime()[:3] + (hours, minutes, 0, 0, 0, -1))
 
 
+def parse_part(text):
+    """K/N -> (k, n): the k-th of n sweeps that share the plans' runs."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UserError(f"--part={text}: expected K/N, for example 1/2") from None
+    if not 1 <= k <= n:
+        raise UserError(f"--part={text}: expected 1 <= K <= N")
+    return k, n
+
+
 def main(argv):
     commands = ("prepare", "sweep", "table", "plot")
     if not argv or argv[0] not in commands:
         raise UserError(f"expected one of {', '.join(commands)} (see the top of study/study.py)")
     command, rest = argv[0], argv[1:]
-    deadline = [parse_deadline(a.removeprefix("--deadline=")) for a in rest if a.startswith("--deadline=")]
-    names = [a for a in rest if not a.startswith("--deadline=")]
+    options = {"--deadline": parse_deadline, "--part": parse_part}
+    given = {name: parse(a.removeprefix(name + "=")) for a in rest for name, parse in options.items()
+             if a.startswith(name + "=")}
+    names = [a for a in rest if not a.startswith(tuple(name + "=" for name in options))]
     if command == "sweep":
         unknown = [n for n in names if n not in PLANS]
         if unknown or not names:
             raise UserError(f"sweep needs plans among {', '.join(PLANS)}; got {' '.join(unknown) or 'none'}")
-        return sweep(names, deadline[0] if deadline else None)
+        return sweep(names, given.get("--deadline"), given.get("--part", (1, 1)))
     if rest:
         raise UserError(f"{command} takes no options; got {' '.join(rest)}")
     {"prepare": prepare, "table": table, "plot": plot}[command]()
