@@ -1858,7 +1858,8 @@ def repeatable_token(tok, text):
 
 def test_is_greedy_on_continuations_built_to_be_the_argmax(eval_model):
     model, tok = eval_model
-    x, q = repeatable_token(tok, "x"), repeatable_token(tok, "q")
+    x = repeatable_token(tok, "x")
+    repeatable_token(tok, "q")  # "xxq" must end in a token of its own
     lm = LeviathanLM(model, tok)
     requests = [Request("Once upon a", "xxx"), Request("Once upon a", "xxq")]
     # x gets the largest real logit everywhere; a padding id gets a larger one, which
@@ -2072,6 +2073,15 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     config = json.load(open(tmp_path / "final" / "lev-b" / "config.json"))
     config["train"]["seed"] = 2
     json.dump(config, open(tmp_path / "final" / "lev-b" / "config.json", "w"))
+    tied = tmp_path / "final" / "tied-a"  # a "tied" run whose every evaluation is 0.5 nats above lev's
+    shutil.copytree(lev, tied)
+    config["train"].update(embedding="tied", seed=1, out_dir=str(tied))
+    json.dump(config, open(tied / "config.json", "w"))
+    records = [json.loads(line) for line in open(tied / "log.jsonl")]
+    for r in records:
+        if r["type"] == "eval":
+            r["val_loss"] += 0.5
+    (tied / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     study.table(str(tmp_path))
     out = capsys.readouterr().out
     ev = json.load(open(lev / "eval_step2.json"))
@@ -2079,6 +2089,8 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     assert row in out
     assert f"| final | lev | 0.003, x0.1, x10 | 2 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} " in out
     assert "final: validation perplexity by the target's training count" in out
+    gap_row = f"| 2 | 1,024 | {ev['val_loss']:.4f} | {ev['val_loss'] + 0.5:.4f} | -0.5000 (-39.3%) |"
+    assert "final: validation loss along training" in out and gap_row in out
 
 
 @pytest.mark.parametrize("argv, message", [

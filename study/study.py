@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 
 from cli import UserError, run_main
-from data import load_meta, read_shard, shard_paths, write_shard
+from data import load_meta, log_records, read_shard, shard_paths, write_shard
 from leviathan import SIZES
 
 STUDY_DIR = os.path.join("out", "study")  # relative to the repository root, where the commands run
@@ -284,7 +284,7 @@ def settings(config):
 
 def table(root=STUDY_DIR):
     """Markdown: every run (finished or not), the mean and spread over seeds of the finished
-    ones, and the frequency-bucket table of every plan but tuning."""
+    ones, and for every plan but tuning the gap along training and the frequency buckets."""
     runs = load_runs(root)
     print("| plan | arm | lr | input lr | head lr | seed | steps | tokens | val loss | val ppl | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -306,7 +306,14 @@ def table(root=STUDY_DIR):
         print(f"| {plan} | {arm} | {', '.join(lrs)} | {len(evs)} | {statistics.mean(e['val_loss'] for e in evs):.4f} | "
               f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)}) | "
               + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
+    curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
+    for plan, config, ev, _ in runs:
+        if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
+            run_dir = os.path.join(root, plan, os.path.basename(config["train"]["out_dir"]))
+            curve = {r["step"]: (r["tokens_seen"], r["val_loss"]) for r in log_records(run_dir, "eval")}
+            curves.setdefault((plan, config["train"]["embedding"]), []).append(curve)
     for plan in sorted({key[0] for key in groups} - set(TUNING_PLANS)):
+        gap_table(plan, {arm: c for (p, arm), c in curves.items() if p == plan})
         bucket_table(plan, {key[1]: evs for key, evs in groups.items() if key[0] == plan})
     width_rule(root)
 
@@ -357,6 +364,22 @@ def width_rule(root=STUDY_DIR):
         carried = [f"x{np.exp(log_scale) * (d / 128) ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
         label = f"{moved} (x{' / x'.join(f'{v:g}' for v in values)}; {held} x{held_value:g})"
         print(f"| {arm} | {label} | " + " | ".join(cells) + f" | {law} | " + " | ".join(carried) + " |")
+
+
+def gap_table(plan, curves_by_arm):
+    """Validation loss at each evaluation every run of the plan made, mean over seeds, and lev's
+    difference to each baseline in nats (and in perplexity): the gap along training."""
+    arms = [arm for arm in ARMS if arm in curves_by_arm]
+    baselines = [arm for arm in ("tied", "untied") if "lev" in arms and arm in arms]
+    steps = sorted(set.intersection(*(set(c) for arm in arms for c in curves_by_arm[arm])))
+    print(f"\n{plan}: validation loss along training (mean over seeds, nats)\n")
+    print("| step | tokens | " + " | ".join(arms + [f"lev - {b}" for b in baselines]) + " |")
+    print("|---|---|" + "---|" * (len(arms) + len(baselines)))
+    for step in steps:
+        loss = {arm: statistics.mean(c[step][1] for c in curves_by_arm[arm]) for arm in arms}
+        gaps = [loss["lev"] - loss[b] for b in baselines]
+        cells = [f"{loss[a]:.4f}" for a in arms] + [f"{g:+.4f} ({100 * np.expm1(g):+.1f}%)" for g in gaps]
+        print(f"| {step} | {curves_by_arm[arms[0]][0][step][0]:,} | " + " | ".join(cells) + " |")
 
 
 def bucket_table(plan, evals_by_arm):
