@@ -268,9 +268,7 @@ def load_runs(root=STUDY_DIR):
         out_dir = os.path.dirname(config_path)
         with open(config_path) as f:
             config = json.load(f)
-        log_path = os.path.join(out_dir, "log.jsonl")
-        records = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
-        speeds = [r["tokens_per_s"] for r in records if r["type"] == "train"]
+        speeds = [r["tokens_per_s"] for r in log_records(out_dir, "train")]
         runs.append((os.path.basename(os.path.dirname(out_dir)), config, final_eval(out_dir),
                      statistics.median(speeds) if speeds else None))
     return runs
@@ -295,9 +293,13 @@ def table(root=STUDY_DIR):
         speed_text = f"{speed:,.0f}" if speed else "-"
         print(f"| {plan} | {t['embedding']} | {' | '.join(settings(config))} | {t['seed']} | {result} | {speed_text} |")
     groups = {}  # (plan, arm, settings) -> the finished runs' last evaluations, one per seed
+    curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
     for plan, config, ev, _ in runs:
         if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
             groups.setdefault((plan, config["train"]["embedding"], settings(config)), []).append(ev)
+            run_dir = os.path.join(root, plan, os.path.basename(config["train"]["out_dir"]))
+            curve = {r["step"]: (r["tokens_seen"], r["val_loss"]) for r in log_records(run_dir, "eval")}
+            curves.setdefault((plan, config["train"]["embedding"]), []).append(curve)
     print("\nMean over seeds (spread: max - min); finished runs only:\n")
     print("| plan | arm | lr, input, head | seeds | val loss | val ppl (each seed) | ppl spread |")
     print("|---|---|---|---|---|---|---|")
@@ -306,12 +308,6 @@ def table(root=STUDY_DIR):
         print(f"| {plan} | {arm} | {', '.join(lrs)} | {len(evs)} | {statistics.mean(e['val_loss'] for e in evs):.4f} | "
               f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)}) | "
               + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
-    curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
-    for plan, config, ev, _ in runs:
-        if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
-            run_dir = os.path.join(root, plan, os.path.basename(config["train"]["out_dir"]))
-            curve = {r["step"]: (r["tokens_seen"], r["val_loss"]) for r in log_records(run_dir, "eval")}
-            curves.setdefault((plan, config["train"]["embedding"]), []).append(curve)
     for plan in sorted({key[0] for key in groups} - set(TUNING_PLANS)):
         gap_table(plan, {arm: c for (p, arm), c in curves.items() if p == plan})
         bucket_table(plan, {key[1]: evs for key, evs in groups.items() if key[0] == plan})
@@ -406,12 +402,11 @@ def plot_losses(plt, plan, runs, root):
     fig, (val_ax, train_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for _, config, _, _ in runs:
         t = config["train"]
-        with open(os.path.join(root, plan, os.path.basename(t["out_dir"]), "log.jsonl")) as f:
-            records = [json.loads(line) for line in f]
+        run_dir = os.path.join(root, plan, os.path.basename(t["out_dir"]))
         style = dict(color=COLOURS[t["embedding"]], linestyle="-" if t["seed"] == SEEDS[0] else "--",
                      label=f"{t['embedding']} (seed {t['seed']})")
         for ax, kind, key in ((val_ax, "eval", "val_loss"), (train_ax, "train", "loss")):
-            points = [(r["tokens_seen"] / 1e6, r[key]) for r in records if r["type"] == kind]
+            points = [(r["tokens_seen"] / 1e6, r[key]) for r in log_records(run_dir, kind)]
             ax.plot(*zip(*points), marker="o" if kind == "eval" else None, **style)
     val_ax.set(xlabel="training tokens (millions)", ylabel="loss (nats)", title=f"{plan}: validation loss")
     train_ax.set(xlabel="training tokens (millions)", title=f"{plan}: training loss (one batch)", ylim=(None, 7))
