@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from cli import ArgumentParser, UserError, run_main
 from data import demo_documents, get_tokenizer, load_meta, log_records, write_json
-from leviathan import (EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, SIZES, Config, Fused, Model, compile_lev, generate,
-                       linear_cross_entropy, padded_vocab)
+from lev_fast import Fused, compile_lev
+from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, SIZES, Config, Model, generate, linear_cross_entropy, padded_vocab
 
 
 def real_token_batch(tokenizer, batch, seq_len):

@@ -7,11 +7,12 @@ open are reconstructed, and each is flagged (R) where the choice is made (the RE
 with their reasons).
 
 Read top to bottom:
-    the configuration
     LEV, written as the method's equations (steps 1-4)
+    the configuration
     the backbone, the loss, and the model with its three arms (lev / tied / untied)
     generation, and the table of sizes
-    LEV's fast path: the same computation, fused and exact, and what torch.compile sees
+LEV's fast path (the same computation, fused and exact) and what torch.compile sees are in
+lev_fast.py, beside this file.
 """
 import math
 from dataclasses import dataclass, replace
@@ -19,6 +20,146 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lev_fast import compile_model, separable_modes
+
+# -----------------------------------------------------------------------------
+# LEV: token id i -> E_i in R^D, as the method's equations
+
+
+def lev_base(vocab_size, digits):
+    """Smallest base b with b**k >= V, so every id has exactly k base-b digits.
+    Integer arithmetic: a float ceil(V ** (1/k)) can be off by one at exact powers."""
+    b = max(2, round(vocab_size ** (1.0 / digits)) - 1)
+    while b**digits < vocab_size:
+        b += 1
+    return b
+
+
+def to_digits(ids, base, digits):
+    """Step 1: i = sum_j i_j * b^(k-1-j). Returns [..., k], most significant first."""
+    powers = base ** torch.arange(digits - 1, -1, -1, device=ids.device)
+    return (ids.unsqueeze(-1) // powers) % base
+
+
+def bspline_basis(t, knots):
+    """Step 3c: B_m(t) = beta((t - g_m)(kappa - 1)) on the knots g_m = m / (kappa - 1), for every
+    m: [...] -> [..., kappa]. beta is the centred quadratic B-spline: 0.75 - x^2 for |x| < 0.5,
+    (1.5 - |x|)^2 / 2 for |x| < 1.5, else 0; at most 3 of the kappa values are non-zero.
+    (R) Normalised to a partition of unity: at the two end knots a neighbour falls outside
+    [0, 1], and the raw sum would dip to 0.875 there."""
+    x = t.unsqueeze(-1) * (knots - 1) - torch.arange(knots, device=t.device)  # (t - g_m)(kappa - 1)
+    beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
+    return beta / beta.sum(-1, keepdim=True)
+
+
+def id_bucket(n):
+    """How many rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power
+    of two (at most 25% more). The compiled generator then meets 4 shapes per doubling of n, not
+    a new one every batch: its kernels keep their block sizes (reproducible sums) and shapes
+    repeat, as CUDA graphs need. The extra rows get no gradient: no position gathers them."""
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+class LEV(nn.Module):
+    """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
+      -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
+      -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
+    generate_reference is these equations written out; generate is the same computation on
+    the fast path (lev_fast.py), and the tests hold the two together."""
+
+    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64, sigmoid_scale=0.5):
+        super().__init__()
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.digits, self.knots, self.sigmoid_scale = digits, knots, sigmoid_scale
+        self.base = lev_base(vocab_size, digits)
+        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C: k codebooks C_j
+        self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l, no bias
+        self.norm_weight = nn.Parameter(torch.empty(heads, seed_dim))  # LayerNorm_l's weight
+        self.norm_bias = nn.Parameter(torch.empty(heads, seed_dim))  # and bias
+        self.spline = nn.Parameter(torch.empty(heads, seed_dim, knots, rank))  # S_l
+        self.out_proj = nn.Parameter(torch.empty(heads, rank, d_model))  # W_out_l
+        self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, cfg):
+        """The LEV of a model Config (its vocabulary, width and lev_* fields)."""
+        return cls(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
+                   cfg.lev_knots, cfg.lev_rank, cfg.lev_sigmoid_scale)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        # (R) Init chosen so the product of d_seed=128 factors stays near 1: each
+        # phi_d is a convex mix of S entries around 1 (the basis sums to one), so
+        # log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0 nor inf.
+        # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.23 at init, of
+        # which ~0.14 differs between tokens and the rest is a direction shared by all
+        # ids (V = 8192, D = 128; test_lev_init_scale checks the range). The lookup-table
+        # arms start at the usual 0.02; every block normalises its input, so the scale only
+        # sets how much the embedding outweighs the first residual updates.
+        heads = self.seed_proj.shape[0]
+        nn.init.normal_(self.codebooks, std=0.02)
+        nn.init.normal_(self.seed_proj, std=0.02)
+        nn.init.ones_(self.norm_weight)
+        nn.init.zeros_(self.norm_bias)
+        nn.init.normal_(self.spline, mean=1.0, std=0.1)
+        nn.init.normal_(self.out_proj, std=0.02 / math.sqrt(heads))
+
+    def coordinates(self, ids):
+        """Steps 1-3b, shared by both paths: ids [N] -> t [h, N, d_seed], every t_d in (0, 1)."""
+        digits = to_digits(ids, self.base, self.digits)  # 1: [N, k]
+        # F.embedding, not C[j, digits]: indexing's backward adds the gradients of repeated
+        # digits in a varying order on a multi-threaded CPU (not bit-exact)
+        z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
+        u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
+        u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
+        # 3b. (R) t = sigmoid(u / 2): the factor 1/2 is what a third-party reimplementation that quotes
+        # the paper's Sec. 3.1 computes (Kitsunp/ml-cross-entropy, cut_cross_entropy/leviathan/core.py).
+        # With LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot intervals
+        # instead of ~6.9. sigmoid_scale=1 is the form without it (the CPU-scale study's first part).
+        return torch.sigmoid(self.sigmoid_scale * u)
+
+    def generate_reference(self, ids):
+        """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations: B_m(t)
+        on every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|), all of B and phi
+        ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this one."""
+        t = self.coordinates(ids)  # 1-3b: [h, N, d_seed]
+        basis = bspline_basis(t, self.knots)  # 3c: [h, N, d_seed, kappa]
+        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d: phi_d = sum_m B_m(t_d) S_l[d, m]
+        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e, (R) M_l = sign * exp(sum log|phi|)
+        return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: E_i = sum_l W_out_l M_l
+
+    def generate(self, ids):
+        """generate_reference's E_i on the fast path: the product M_l (steps 3c-3e) by
+        separable_modes, which never writes phi and keeps M exact (mantissa x 2^exponent).
+
+        (R) LEV runs in float32, even under bf16 autocast: it is tiny in FLOPs, but a product of
+        d_seed factors each rounded to bf16's 8-bit mantissa loses most of its precision. The
+        output is float32, as an nn.Embedding lookup stays float32 under autocast."""
+        with torch.autocast(ids.device.type, enabled=False):
+            t = self.coordinates(ids).permute(2, 0, 1).contiguous()  # 1-3b: [d_seed, h, N]
+            modes = separable_modes(t, self.spline)  # 3c-3e: M_l, [h, N, r]
+            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
+
+    @torch.compiler.disable
+    def forward(self, ids):
+        """ids of any shape -> [..., D]. LEV depends only on the id, so it is evaluated once per
+        *distinct* id in the batch and gathered back: a batch of 262k tokens has only ~30k
+        distinct o200k ids. Their number changes every batch, so torch.unique stays outside
+        torch.compile, and the backbone after it always sees [B, T, D]."""
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        rows = F.pad(unique, (0, id_bucket(len(unique)) - len(unique)))  # id 0 fills; never gathered
+        # F.embedding, not generate(unique)[inverse]: bit-exact gradients (see coordinates)
+        return F.embedding(inverse, self.generate(rows))
+
+    @torch.no_grad()
+    def as_table(self, chunk=1024):
+        """Evaluate LEV for the whole vocabulary, in chunks so memory stays bounded:
+        at inference LEV becomes an ordinary [V, D] lookup table."""
+        ids = torch.arange(self.vocab_size, device=self.out_proj.device)
+        return torch.cat([self.generate(c) for c in ids.split(chunk)])
+
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -88,144 +229,6 @@ def padded_vocab(n_ids):
     """Round the tokenizer's id count up to a multiple of 128 (tensor-core friendly).
     The padding rows are never targets and are masked out when sampling."""
     return -(-n_ids // 128) * 128
-
-
-# -----------------------------------------------------------------------------
-# LEV: token id i -> E_i in R^D, as the method's equations
-
-
-def lev_base(vocab_size, digits):
-    """Smallest base b with b**k >= V, so every id has exactly k base-b digits.
-    Integer arithmetic: a float ceil(V ** (1/k)) can be off by one at exact powers."""
-    b = max(2, round(vocab_size ** (1.0 / digits)) - 1)
-    while b**digits < vocab_size:
-        b += 1
-    return b
-
-
-def to_digits(ids, base, digits):
-    """Step 1: i = sum_j i_j * b^(k-1-j). Returns [..., k], most significant first."""
-    powers = base ** torch.arange(digits - 1, -1, -1, device=ids.device)
-    return (ids.unsqueeze(-1) // powers) % base
-
-
-def bspline_basis(t, knots):
-    """Step 3c: B_m(t) = beta((t - g_m)(kappa - 1)) on the knots g_m = m / (kappa - 1), for every
-    m: [...] -> [..., kappa]. beta is the centred quadratic B-spline: 0.75 - x^2 for |x| < 0.5,
-    (1.5 - |x|)^2 / 2 for |x| < 1.5, else 0; at most 3 of the kappa values are non-zero.
-    (R) Normalised to a partition of unity: at the two end knots a neighbour falls outside
-    [0, 1], and the raw sum would dip to 0.875 there."""
-    x = t.unsqueeze(-1) * (knots - 1) - torch.arange(knots, device=t.device)  # (t - g_m)(kappa - 1)
-    beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
-    return beta / beta.sum(-1, keepdim=True)
-
-
-def id_bucket(n):
-    """How many rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power
-    of two (at most 25% more). The compiled generator then meets 4 shapes per doubling of n, not
-    a new one every batch: its kernels keep their block sizes (reproducible sums) and shapes
-    repeat, as CUDA graphs need. The extra rows get no gradient: no position gathers them."""
-    step = 1 << max(0, (n - 1).bit_length() - 3)
-    return -(-n // step) * step
-
-
-class LEV(nn.Module):
-    """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
-      -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
-      -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
-    generate_reference is these equations written out; generate is the same computation on
-    the fast path (end of this file), and the tests hold the two together."""
-
-    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64, sigmoid_scale=0.5):
-        super().__init__()
-        self.vocab_size, self.d_model = vocab_size, d_model
-        self.digits, self.knots, self.sigmoid_scale = digits, knots, sigmoid_scale
-        self.base = lev_base(vocab_size, digits)
-        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C: k codebooks C_j
-        self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l, no bias
-        self.norm_weight = nn.Parameter(torch.empty(heads, seed_dim))  # LayerNorm_l's weight
-        self.norm_bias = nn.Parameter(torch.empty(heads, seed_dim))  # and bias
-        self.spline = nn.Parameter(torch.empty(heads, seed_dim, knots, rank))  # S_l
-        self.out_proj = nn.Parameter(torch.empty(heads, rank, d_model))  # W_out_l
-        self.reset_parameters()
-
-    @classmethod
-    def from_config(cls, cfg):
-        """The LEV of a model Config (its vocabulary, width and lev_* fields)."""
-        return cls(cfg.vocab_size, cfg.d_model, cfg.lev_digits, cfg.lev_seed_dim, cfg.lev_heads,
-                   cfg.lev_knots, cfg.lev_rank, cfg.lev_sigmoid_scale)
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        # (R) Init chosen so the product of d_seed=128 factors stays near 1: each
-        # phi_d is a convex mix of S entries around 1 (the basis sums to one), so
-        # log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0 nor inf.
-        # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.23 at init, of
-        # which ~0.14 differs between tokens and the rest is a direction shared by all
-        # ids (V = 8192, D = 128; test_lev_init_scale checks the range). The lookup-table
-        # arms start at the usual 0.02; every block normalises its input, so the scale only
-        # sets how much the embedding outweighs the first residual updates.
-        heads = self.seed_proj.shape[0]
-        nn.init.normal_(self.codebooks, std=0.02)
-        nn.init.normal_(self.seed_proj, std=0.02)
-        nn.init.ones_(self.norm_weight)
-        nn.init.zeros_(self.norm_bias)
-        nn.init.normal_(self.spline, mean=1.0, std=0.1)
-        nn.init.normal_(self.out_proj, std=0.02 / math.sqrt(heads))
-
-    def coordinates(self, ids):
-        """Steps 1-3b, shared by both paths: ids [N] -> t [h, N, d_seed], every t_d in (0, 1)."""
-        digits = to_digits(ids, self.base, self.digits)  # 1: [N, k]
-        # F.embedding, not C[j, digits]: indexing's backward adds the gradients of repeated
-        # digits in a varying order on a multi-threaded CPU (not bit-exact)
-        z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
-        u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
-        u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
-        # 3b. (R) t = sigmoid(u / 2): the factor 1/2 is what a third-party reimplementation that quotes
-        # the paper's Sec. 3.1 computes (Kitsunp/ml-cross-entropy, cut_cross_entropy/leviathan/core.py).
-        # With LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot intervals
-        # instead of ~6.9. sigmoid_scale=1 is the form without it (the CPU-scale study's runs).
-        return torch.sigmoid(self.sigmoid_scale * u)
-
-    def generate_reference(self, ids):
-        """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations: B_m(t)
-        on every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|), all of B and phi
-        ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this one."""
-        t = self.coordinates(ids)  # 1-3b: [h, N, d_seed]
-        basis = bspline_basis(t, self.knots)  # 3c: [h, N, d_seed, kappa]
-        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d: phi_d = sum_m B_m(t_d) S_l[d, m]
-        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e, (R) M_l = sign * exp(sum log|phi|)
-        return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: E_i = sum_l W_out_l M_l
-
-    def generate(self, ids):
-        """generate_reference's E_i on the fast path: the product M_l (steps 3c-3e) by
-        separable_modes, which never writes phi and keeps M exact (mantissa x 2^exponent).
-
-        (R) LEV runs in float32, even under bf16 autocast: it is tiny in FLOPs, but a product of
-        d_seed factors each rounded to bf16's 8-bit mantissa loses most of its precision. The
-        output is float32, as an nn.Embedding lookup stays float32 under autocast."""
-        with torch.autocast(ids.device.type, enabled=False):
-            t = self.coordinates(ids).permute(2, 0, 1).contiguous()  # 1-3b: [d_seed, h, N]
-            modes = separable_modes(t, self.spline)  # 3c-3e: M_l, [h, N, r]
-            return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
-
-    @torch.compiler.disable
-    def forward(self, ids):
-        """ids of any shape -> [..., D]. LEV depends only on the id, so it is evaluated once per
-        *distinct* id in the batch and gathered back: a batch of 262k tokens has only ~30k
-        distinct o200k ids. Their number changes every batch, so torch.unique stays outside
-        torch.compile, and the backbone after it always sees [B, T, D]."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        rows = F.pad(unique, (0, id_bucket(len(unique)) - len(unique)))  # id 0 fills; never gathered
-        # F.embedding, not generate(unique)[inverse]: bit-exact gradients (see coordinates)
-        return F.embedding(inverse, self.generate(rows))
-
-    @torch.no_grad()
-    def as_table(self, chunk=1024):
-        """Evaluate LEV for the whole vocabulary, in chunks so memory stays bounded:
-        at inference LEV becomes an ordinary [V, D] lookup table."""
-        ids = torch.arange(self.vocab_size, device=self.out_proj.device)
-        return torch.cat([self.generate(c) for c in ids.split(chunk)])
 
 
 # -----------------------------------------------------------------------------
@@ -481,7 +484,7 @@ class Model(nn.Module):
                        self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place; what is compiled and what is not: compile_model, at the end."""
+        """torch.compile in place; what is compiled and what is not: lev_fast.py, at its end."""
         compile_model(self, dynamic, **options)
 
     @torch.no_grad()
@@ -663,253 +666,3 @@ SIZES = {
     "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4,
                    lr_scales=paper_lr_scales(2048), **PAPER),
 }
-
-
-# -----------------------------------------------------------------------------
-# LEV's fast path: generate_reference's steps 3c-3e, the same arithmetic, without its cost
-#
-# Written out, steps 3c-3e hold a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r]
-# for the backward: at the paper's sizes ~1 GB for a few hundred ids. Here:
-# - Only the 3 non-zero B_m(t_d) are made (bspline_nonzero), once per call, as small planes.
-# - phi_d = the 3 rows of S around t_d's nearest knot mixed by those values: float32
-#   multiply-adds, no matmul, so exact float32 on any device (group_products).
-# - phi is never written to memory: compiled into one fused kernel (C++ on a CPU, Triton on a
-#   GPU), each phi_d is made in registers and multiplied into its group's product at once; the
-#   backward (product_gradients) makes phi again from t. Only t, S and M are saved.
-# - (R) The product of d_seed factors cannot under- or overflow: each phi_d and the running
-#   product are carried as mantissa x 2^exponent (group_products, modes_from_groups). The same
-#   product as sign * exp(sum log|phi_d|), without a logarithm per factor, and no check.
-# - The coordinates are worked through in chunks (seed_chunks), so memory stays bounded.
-
-
-def bspline_nonzero(t, knots):
-    """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
-    only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
-    in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
-    Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
-    (int32, clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
-    position = t * (knots - 1)
-    nearest = position.round()
-    f = position - nearest
-    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead, so each plane is contiguous
-    a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
-                           device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
-    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
-    inside = (neighbours >= 0) & (neighbours < knots)
-    values, slopes = (a + b * f + c * f**2) * inside, (b + 2 * c * f) * inside * (knots - 1)
-    # (R) Normalised as in bspline_basis: at the two end knots a neighbour falls outside [0, kappa).
-    total = values.sum(0)
-    values = values / total
-    slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
-    return neighbours.clamp_(0, knots - 1).int(), values, slopes
-
-
-def knot_rows(spline, index):
-    """S_l[d, m] at the 3 knots m = index[j] of each (d, l, n): three [d, h, N, r] tensors.
-    Compiled, they are indirect loads inside the kernel and never written to memory."""
-    heads, seed_dim = spline.shape[:2]
-    d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
-    head = torch.arange(heads, device=index.device).view(1, -1, 1)
-    return [spline[head, d, index[j]] for j in range(3)]
-
-
-def mix_rows(rows, weights):
-    """sum_j weights[j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d with
-    their slopes; three float32 multiply-adds per element."""
-    return sum(row * weights[j, ..., None] for j, row in enumerate(rows))
-
-
-# The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
-# of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
-# again for every r-vector of phi, which costs LEV's forward + backward 4-10% more on a CPU.
-
-
-def group_products(index, values, spline, group):
-    """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
-    sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
-    no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
-    coordinates as mantissa and exponent: phi_d = m_d 2^(e_d) with |m_d| in [0.5, 1) (frexp), and
-    the group's product is (prod_d m_d) 2^(sum_d e_d), two [d / group, h, N, r] tensors. A product
-    of g <= 126 such mantissas never leaves float32's normal range, whatever phi is, so each of
-    its partial products rounds exactly as a plain float32 product of the phi_d would, had that
-    one stayed in range. Compiled (Fused, below), phi lives in registers only. The price is paid
-    on a CPU, where inductor's C++ calls frexp one element at a time: LEV's forward + backward
-    takes 1.3-1.8x as long (interleaved runs) as with a plain product whose exactness is checked
-    afterwards; but that check would make a GPU wait for its result at every call, where frexp
-    is a few instructions per element (ilogb, ldexp)."""
-    mantissas, exponents = torch.frexp(mix_rows(knot_rows(spline, index), values))
-    return mantissas.unflatten(0, (-1, group)).prod(1), exponents.unflatten(0, (-1, group)).sum(1)
-
-
-def product_gradients(index, values, slopes, spline, grad_times_modes):
-    """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
-    q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
-    (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
-    basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
-    rows = knot_rows(spline, index)
-    phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
-    q = grad_times_modes / phi
-    knots = torch.arange(spline.shape[2], device=index.device)
-    basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
-    return q, (q * phi_slope).sum(-1), basis
-
-
-# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
-# group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
-# backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
-# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is ~3 MB.
-CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
-
-
-def seed_chunks(t, rank, multiple=1):
-    """Slices of the seed coordinates d, each a multiple of `multiple` long."""
-    seed_dim, heads, n = t.shape
-    budget = CHUNK_FLOATS_CPU if t.device.type == "cpu" else CHUNK_FLOATS_GPU
-    size = max(1, budget // (heads * n * rank)) // multiple * multiple or multiple
-    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
-
-
-def product_group(seed_dim):
-    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 64
-    (a product of 64 mantissas is >= 2^-64, well inside float32's normal range, >= 2^-126)."""
-    return max(g for g in range(1, 65) if seed_dim % g == 0)
-
-
-def modes_from_groups(t, spline):
-    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): each group's
-    product comes as mantissa and exponent (group_products), and after multiplying it in,
-    frexp moves the running product's scale into the integer exponent. No partial product
-    leaves float32's normal range however many factors M has, so the product is exact in the
-    sense of generate_reference's sign * exp(sum_d log|phi_d|), without a logarithm per factor,
-    and nothing needs checking: no wait for a GPU."""
-    seed_dim, heads, n = t.shape
-    group = product_group(seed_dim)
-    mantissa = t.new_ones(heads, n, spline.shape[-1])
-    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-    bspline, products_of_groups, _ = kernels_for(t, spline)
-    index, values, _ = bspline(t, spline.shape[2])
-    for d in seed_chunks(t, spline.shape[-1], group):
-        mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
-        for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
-            mantissa, scale = torch.frexp(mantissa * group_mantissa)
-            exponent = exponent + scale + group_exponent
-    return torch.ldexp(mantissa, exponent)
-
-
-class SeparableProduct(torch.autograd.Function):
-    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
-
-    phi, [d_seed, h, N, r], is LEV's one big tensor, and it is never written: the fused forward
-    multiplies each phi_d into a group product as it is made, and the backward makes it again
-    from t. Only t, S and M are saved.
-
-    (R) A plain product of 128 factors can under- or overflow float32, so M is carried as
-    mantissa * 2^exponent (modes_from_groups): the exact product, as generate_reference's
-    sign * exp(sum_d log|phi_d|) is, without a logarithm per factor.
-
-    Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
-    matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
-    backward; phi and M never go through a matmul)."""
-
-    @staticmethod
-    def forward(ctx, t, spline):
-        modes = modes_from_groups(t, spline)
-        ctx.save_for_backward(t, spline, modes)
-        return modes
-
-    @staticmethod
-    def backward(ctx, grad_modes):
-        t, spline, modes = ctx.saved_tensors
-        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
-        grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
-        bspline, _, gradients = kernels_for(t, spline)
-        index, values, slopes = bspline(t, spline.shape[2])
-        for d in seed_chunks(t, spline.shape[-1]):
-            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d], grad_times_modes)
-            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
-        return grad_t, grad_spline
-
-
-@torch.compiler.disable
-def separable_modes(t, spline):
-    """SeparableProduct, kept out of every compiled graph (see "What torch.compile sees")."""
-    return SeparableProduct.apply(t, spline)
-
-
-# -----------------------------------------------------------------------------
-# What torch.compile sees: every decision, in one place
-#
-# 1. The product's three kernels (bspline_nonzero, group_products, product_gradients) are
-#    compiled on their own, whether or not the model is (Fused, below): phi stays in registers
-#    only if they are. A call with fewer than FUSE_MIN_FLOATS floats of phi (a test-sized LEV)
-#    runs them eagerly: compiling costs seconds, once per process, which such a call never repays.
-# 2. separable_modes, which calls them, stays out of every other graph (torch.compiler.disable):
-#    traced, its backward's rebuilt phi would be merged with the forward's, and phi saved after all.
-# 3. LEV.forward stays out too (torch.compiler.disable): torch.unique's output size changes with
-#    every batch, and the backbone after it should see one shape.
-# 4. compile_model: the model in place (backbone, head, loss), and LEV.generate on its own for
-#    any number of ids (dynamic=True), which fuses the small steps around the product.
-
-FUSE_MIN_FLOATS = 1 << 20
-
-
-# What a failure of compiling itself arrives as (torch 2.4-2.13: torch/_dynamo/exc.py,
-# torch/_inductor/exc.py), raised before the compiled kernel runs: BackendCompilerFailed, dynamo's
-# wrapper around whatever inductor raised (no C++ compiler: InvalidCxxCompiler; a failing one:
-# CppCompileError; a Triton compile error), in newer torch as its subclass InductorError;
-# ShortenTraceback, their base in newer torch, which also carries TritonMissing and
-# GPUTooOldForTriton (an unsupported GPU) unwrapped; Unsupported and InternalTorchDynamoError,
-# dynamo refusing or failing to trace fn. By name, as an older torch lacks some (torch._dynamo is
-# loaded: torch.compiler.disable above). Not caught: what the kernel raises as it runs (out of
-# memory, an index out of bounds, a device-side assert, a Triton launch error), a fault to see,
-# not a reason to run LEV ~6x slower from then on.
-COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
-                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError")
-                         if hasattr(torch._dynamo.exc, name))
-
-
-class Fused:
-    """fn compiled by torch.compile into fused kernels (inductor: C++ loops on a CPU, Triton on
-    a GPU; group_products is one, so phi stays in registers). Where compiling fails (no C++
-    compiler, an unsupported GPU), fn runs eagerly: the same result, slower, with one warning
-    line for all the kernels. An error of the compiled kernel as it runs propagates, and the
-    kernel stays compiled."""
-    warned = False
-
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except COMPILE_FAILURES as error:
-                if not Fused.warned:
-                    cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
-                    reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
-                    print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
-                    Fused.warned = True
-                self.compiled = None
-        return self.fn(*args)
-
-
-KERNELS = bspline_nonzero, group_products, product_gradients
-FUSED_KERNELS = tuple(Fused(kernel) for kernel in KERNELS)
-
-
-def kernels_for(t, spline):
-    """(bspline_nonzero, group_products, product_gradients) for this call: fused where it pays
-    for compiling."""
-    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
-
-
-def compile_lev(lev, **options):
-    """LEV.generate compiled for any number of ids; its product stays eager (2.), its kernels fused (1.)."""
-    lev.generate = torch.compile(lev.generate, dynamic=True, **options)
-
-
-def compile_model(model, dynamic=None, **options):
-    """torch.compile the model in place (its state_dict keys unchanged), LEV's generator on its own."""
-    if model.cfg.embedding == "lev":
-        compile_lev(model.lev, **options)
-    nn.Module.compile(model, dynamic=dynamic, **options)

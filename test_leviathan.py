@@ -44,6 +44,7 @@ import checkpoint
 import compare
 import data
 import evaluate
+import lev_fast
 import leviathan
 import prepare_data as prep
 import sample
@@ -58,13 +59,12 @@ from leviathan import (
     SIZES,
     Config,
     Model,
-    SeparableProduct,
-    bspline_nonzero,
     generate,
     lev_base,
     sample_next,
     to_digits,
 )
+from lev_fast import SeparableProduct, bspline_nonzero
 from sample import TextStream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -520,17 +520,17 @@ def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_c
     of 10 factors; backward chunks of 20 coordinates, 3 (the last of 2) or 1."""
     ids = torch.cat([torch.arange(40), torch.randint(40, 8192, (200,), generator=torch.Generator().manual_seed(0))])
     ids = ids.unique()
-    monkeypatch.setattr(leviathan, "CHUNK_FLOATS_CPU", per_chunk * 3 * len(ids) * 8)  # h = 3, r = 8
-    monkeypatch.setattr(leviathan, "FUSE_MIN_FLOATS", 0 if fused else 1 << 40)
+    monkeypatch.setattr(lev_fast, "CHUNK_FLOATS_CPU", per_chunk * 3 * len(ids) * 8)  # h = 3, r = 8
+    monkeypatch.setattr(lev_fast, "FUSE_MIN_FLOATS", 0 if fused else 1 << 40)
     seen = {}
 
     def recording(t, spline):
-        seen["t"], seen["modes"] = t.detach(), leviathan.SeparableProduct.apply(t, spline)
+        seen["t"], seen["modes"] = t.detach(), lev_fast.SeparableProduct.apply(t, spline)
         return seen["modes"]
 
     monkeypatch.setattr(leviathan, "separable_modes", recording)
     lev = random_lev(0, seed_dim=20, heads=3, knots=16, rank=8)
-    assert len(leviathan.seed_chunks(torch.empty(20, 3, len(ids)), 8)) == -(-20 // per_chunk)
+    assert len(lev_fast.seed_chunks(torch.empty(20, 3, len(ids)), 8)) == -(-20 // per_chunk)
     weights = torch.randn(len(ids), 48)
     fast = lev.generate(ids)
     position = seen["t"] * (lev.knots - 1)
@@ -545,7 +545,7 @@ def test_fast_lev_matches_the_reference_in_value_and_gradient(monkeypatch, per_c
 
 
 def test_separable_product_gradient(monkeypatch):
-    monkeypatch.setattr(leviathan, "CHUNK_FLOATS_CPU", 20)  # chunks of 2 coordinates, the last of 1
+    monkeypatch.setattr(lev_fast, "CHUNK_FLOATS_CPU", 20)  # chunks of 2 coordinates, the last of 1
     torch.manual_seed(0)
     t = torch.rand(5, 2, 3, dtype=torch.double)
     t[0, 0] = torch.tensor([0.0, 1.0, 0.02])  # at and near the end knots
@@ -606,10 +606,10 @@ def kernel_calls(heads, n, rank, group):
     t[0, 0, :2] = torch.tensor([0.0, 1.0])
     spline = 1 + 0.5 * torch.randn(heads, group + 8, 10, rank, generator=generator)[:, 4:group + 4]
     grad_times_modes = torch.randn(heads, n, rank, generator=generator)
-    index, values, slopes = leviathan.bspline_nonzero(t, 10)
-    return [(leviathan.bspline_nonzero, (t, 10)), (leviathan.group_products, (index, values, spline, group)),
-            (leviathan.group_products, (index, values, spline, 1)),
-            (leviathan.product_gradients, (index, values, slopes, spline, grad_times_modes))]
+    index, values, slopes = lev_fast.bspline_nonzero(t, 10)
+    return [(lev_fast.bspline_nonzero, (t, 10)), (lev_fast.group_products, (index, values, spline, group)),
+            (lev_fast.group_products, (index, values, spline, 1)),
+            (lev_fast.product_gradients, (index, values, slopes, spline, grad_times_modes))]
 
 
 def as_tuple(outputs):
@@ -618,15 +618,15 @@ def as_tuple(outputs):
 
 def test_fused_kernels_match_their_eager_functions():
     """The compiled kernels (inductor here, Triton on a GPU) against the same functions run eagerly."""
-    fused_kernel = dict(zip(leviathan.KERNELS, leviathan.FUSED_KERNELS))
+    fused_kernel = dict(zip(lev_fast.KERNELS, lev_fast.FUSED_KERNELS))
     for fn, args in kernel_calls(heads=3, n=50, rank=8, group=16):
         eager = as_tuple(fn(*args))
-        if fn is leviathan.group_products:
+        if fn is lev_fast.group_products:
             assert (eager[0] < 0).any()
-        atol = 1e-5 if fn is leviathan.product_gradients else 1e-6
+        atol = 1e-5 if fn is lev_fast.product_gradients else 1e-6
         for fused, expected in zip(as_tuple(fused_kernel[fn](*args)), eager, strict=True):
             torch.testing.assert_close(fused, expected, rtol=1e-5, atol=atol)
-    assert all(kernel.compiled is not None for kernel in leviathan.FUSED_KERNELS)  # none fell back to eager
+    assert all(kernel.compiled is not None for kernel in lev_fast.FUSED_KERNELS)  # none fell back to eager
 
 
 def fused_kernel_errors_under_triton_interpreter():
@@ -668,7 +668,7 @@ def fused_kernel_errors_under_triton_interpreter():
     # 3. inductor's CPU backend switched from C++ to Triton
     with torch._inductor.config.patch(cpu_backend="triton"):
         for fn, args in calls:
-            kernel = leviathan.Fused(fn)
+            kernel = lev_fast.Fused(fn)
             launches.append(0)
             fused, code = torch._inductor.utils.run_and_get_code(kernel, *args)
             assert kernel.compiled is not None, "compiling failed; Fused fell back to eager"
@@ -707,11 +707,11 @@ def test_fused_kernels_fall_back_to_eager_when_compiling_fails(tmp_path):
     exist, with an empty inductor cache, so that nothing compiled before is reused. Two kernels
     run eagerly, with one warning line for both, naming the cause, and are not compiled again."""
     code = """if True:
-        import torch, leviathan
+        import torch, lev_fast
         t, spline = torch.rand(8, 2, 5), torch.rand(2, 8, 6, 3)
-        index, values, _ = leviathan.bspline_nonzero(t, 6)
-        for fn, args in [(leviathan.bspline_nonzero, (t, 6)), (leviathan.group_products, (index, values, spline, 4))]:
-            kernel = leviathan.Fused(fn)
+        index, values, _ = lev_fast.bspline_nonzero(t, 6)
+        for fn, args in [(lev_fast.bspline_nonzero, (t, 6)), (lev_fast.group_products, (index, values, spline, 4))]:
+            kernel = lev_fast.Fused(fn)
             for _ in range(2):
                 fused, eager = kernel(*args), fn(*args)
                 fused, eager = [x if isinstance(x, tuple) else (x,) for x in (fused, eager)]
@@ -729,9 +729,9 @@ def test_fused_kernels_raise_what_the_compiled_kernel_raises(monkeypatch, capsys
     """An error of the compiled kernel as it runs is no failure of compiling: it propagates as
     raised, and the kernel stays compiled. Inductor's C++ checks every indirect index as it runs;
     a knot index out of range is one (eagerly, the same call raises IndexError instead)."""
-    monkeypatch.setattr(leviathan.Fused, "warned", False)
-    kernel = leviathan.Fused(leviathan.group_products)
-    index, values, _ = leviathan.bspline_nonzero(torch.rand(8, 2, 5), 6)
+    monkeypatch.setattr(lev_fast.Fused, "warned", False)
+    kernel = lev_fast.Fused(lev_fast.group_products)
+    index, values, _ = lev_fast.bspline_nonzero(torch.rand(8, 2, 5), 6)
     spline = torch.rand(2, 8, 6, 3)
     out_of_range = index.clone()
     out_of_range[1, 3, 1, 2] = 6  # knots 0..5
@@ -739,7 +739,7 @@ def test_fused_kernels_raise_what_the_compiled_kernel_raises(monkeypatch, capsys
         kernel(out_of_range, values, spline, 4)
     assert kernel.compiled is not None and capsys.readouterr().out == ""
     args = index, values, spline, 4
-    for a, b in zip(as_tuple(kernel(*args)), as_tuple(leviathan.group_products(*args)), strict=True):
+    for a, b in zip(as_tuple(kernel(*args)), as_tuple(lev_fast.group_products(*args)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -756,7 +756,7 @@ def test_compiled_generator_keeps_the_product_eager():
     lev = random_lev(0, seed_dim=16, heads=2, knots=8, rank=8)
     ids = torch.arange(50)
     expected = lev.generate(ids)
-    leviathan.compile_lev(lev, backend=capturing_backend)
+    lev_fast.compile_lev(lev, backend=capturing_backend)
     assert torch.allclose(lev.generate(ids), expected, atol=1e-6)
     assert graphs and not any("frexp" in code for code in graphs)
 
@@ -2184,7 +2184,7 @@ def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
 # ---------------------------------------------------------------------------- the rest
 
 
-LIBRARY = {"leviathan", "data", "cli", "checkpoint"}  # the modules the scripts share
+LIBRARY = {"leviathan", "lev_fast", "data", "cli", "checkpoint"}  # the modules the scripts share
 SCRIPTS = {"prepare_data": "prepare_data.py", "train": "train.py", "sample": "sample.py", "evaluate": "evaluate.py",
            "bench": "bench.py", "study": "study/study.py"}
 
@@ -2269,7 +2269,7 @@ def bench_gpu_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir):
     monkeypatch.chdir(HERE)
     for name, value in {**SCRIPT_ENV, "PYTHONPATH": f"{blocked}{os.pathsep}{HERE}"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(leviathan.Fused, "warned", False)  # an earlier test's warning is not this run's
+    monkeypatch.setattr(lev_fast.Fused, "warned", False)  # an earlier test's warning is not this run's
     try:
         bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
                      f"--json={tmp_path / 'figures.json'}"])
