@@ -186,8 +186,8 @@ def separable_modes(t, spline):
 #    runs them eagerly: compiling costs seconds, once per process, which such a call never repays.
 # 2. separable_modes, which calls them, stays out of every other graph (torch.compiler.disable):
 #    traced, its backward's rebuilt phi would be merged with the forward's, and phi saved after all.
-# 3. LEV.forward stays out too (torch.compiler.disable): torch.unique's output size changes with
-#    every batch, and the backbone after it should see one shape.
+# 3. LEV.forward (leviathan.py) stays out too (torch.compiler.disable): torch.unique's output
+#    size changes with every batch, and the backbone after it should see one shape.
 # 4. compile_model: the model in place (backbone, head, loss), and LEV.generate on its own for
 #    any number of ids (dynamic=True), which fuses the small steps around the product.
 

@@ -2,7 +2,7 @@
 
 Sections, in pipeline order (search for the heading):
     data         data.py's shards and tokenizer, prepare_data.py
-    LEV          leviathan.LEV against the method written out, and its fast path against it
+    LEV          leviathan.LEV against the method written out, and its fast path (lev_fast.py) against it
     the model    the backbone, the three arms, the loss, torch.compile
     train.py     training, resuming, DDP, checkpoints, evaluation, bad input
     sample.py    generation, the frozen LEV table, decoding, the command line
