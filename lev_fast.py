@@ -17,7 +17,6 @@ the backward: at the paper's sizes ~1 GB for a few hundred ids. Here:
 - The coordinates are worked through in chunks (seed_chunks), so memory stays bounded.
 """
 import torch
-import torch.nn as nn
 
 # -----------------------------------------------------------------------------
 # Steps 3c-3e, fused and exact
@@ -188,8 +187,9 @@ def separable_modes(t, spline):
 #    traced, its backward's rebuilt phi would be merged with the forward's, and phi saved after all.
 # 3. LEV.forward (leviathan.py) stays out too (torch.compiler.disable): torch.unique's output
 #    size changes with every batch, and the backbone after it should see one shape.
-# 4. compile_model: the model in place (backbone, head, loss), and LEV.generate on its own for
-#    any number of ids (dynamic=True), which fuses the small steps around the product.
+# 4. Model.compile (leviathan.py): the model in place (backbone, head, loss), and LEV.generate on
+#    its own for any number of ids (compile_lev, dynamic=True), which fuses the small steps around
+#    the product.
 
 FUSE_MIN_FLOATS = 1 << 20
 
@@ -247,10 +247,3 @@ def kernels_for(t, spline):
 def compile_lev(lev, **options):
     """LEV.generate compiled for any number of ids; its product stays eager (2.), its kernels fused (1.)."""
     lev.generate = torch.compile(lev.generate, dynamic=True, **options)
-
-
-def compile_model(model, dynamic=None, **options):
-    """torch.compile the model in place (its state_dict keys unchanged), LEV's generator on its own."""
-    if model.cfg.embedding == "lev":
-        compile_lev(model.lev, **options)
-    nn.Module.compile(model, dynamic=dynamic, **options)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lev_fast import compile_model, separable_modes
+from lev_fast import compile_lev, separable_modes
 
 # -----------------------------------------------------------------------------
 # LEV: token id i -> E_i in R^D, as the method's equations
@@ -484,8 +484,11 @@ class Model(nn.Module):
                        self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place; what is compiled and what is not: lev_fast.py, at its end."""
-        compile_model(self, dynamic, **options)
+        """torch.compile in place (state_dict keys unchanged), LEV's generator on its own; what is
+        compiled and what is not: lev_fast.py, at its end."""
+        if self.cfg.embedding == "lev":
+            compile_lev(self.lev, **options)
+        nn.Module.compile(self, dynamic=dynamic, **options)
 
     @torch.no_grad()
     def freeze_lev(self):
