@@ -10,18 +10,18 @@ Read top to bottom:
     LEV, written as the method's equations (steps 1-4)
     the configuration
     the backbone, the loss, and the model with its three arms (lev / tied / untied)
-    generation, and the table of sizes
-LEV's fast path (the same computation, fused and exact) and what torch.compile sees are in
-lev_fast.py, beside this file.
+    generation
+    the fast path: LEV's product fused and exact, and what torch.compile sees (skip on a first reading)
+This file imports only torch: copy it into another project alone. The model sizes and training
+defaults are train.py's.
 """
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lev_fast import compile_lev, separable_modes
 
 # -----------------------------------------------------------------------------
 # LEV: token id i -> E_i in R^D, as the method's equations
@@ -67,7 +67,7 @@ class LEV(nn.Module):
       -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
       -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
     generate_reference is these equations written out; generate is the same computation on
-    the fast path (lev_fast.py), and the tests hold the two together."""
+    the fast path (the end of this file), and the tests hold the two together."""
 
     def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64, sigmoid_scale=0.5):
         super().__init__()
@@ -95,7 +95,7 @@ class LEV(nn.Module):
         # log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0 nor inf.
         # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.23 at init, of
         # which ~0.14 differs between tokens and the rest is a direction shared by all
-        # ids (V = 8192, D = 128; test_lev_init_scale checks the range). The lookup-table
+        # ids (V = 8192, D = 128; a test checks the range). The lookup-table
         # arms start at the usual 0.02; every block normalises its input, so the scale only
         # sets how much the embedding outweighs the first residual updates.
         heads = self.seed_proj.shape[0]
@@ -115,7 +115,7 @@ class LEV(nn.Module):
         u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
         u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
         # 3b. (R) t = sigmoid(u / 2): the factor 1/2 is what a third-party reimplementation that quotes
-        # the paper's Sec. 3.1 computes (Kitsunp/ml-cross-entropy, cut_cross_entropy/leviathan/core.py).
+        # the paper's Sec. 3.1 computes (the README names it).
         # With LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot intervals
         # instead of ~6.9. sigmoid_scale=1 is the form without it (the CPU-scale study's first part).
         return torch.sigmoid(self.sigmoid_scale * u)
@@ -216,13 +216,6 @@ class Config:
     def ffn_dim(self):
         """SwiGLU hidden size: 8/3 D (the parameters of a 4D GELU MLP), rounded up to 128."""
         return -(-8 * self.d_model // 3 // 128) * 128
-
-    @classmethod
-    def from_size(cls, name, **overrides):
-        """The model of a size in SIZES (below), with some fields changed."""
-        if name not in SIZES:
-            raise ValueError(f"unknown size {name!r}; choose one of {', '.join(SIZES)}")
-        return replace(SIZES[name].model, **overrides)
 
 
 def padded_vocab(n_ids):
@@ -485,7 +478,7 @@ class Model(nn.Module):
 
     def compile(self, dynamic=None, **options):
         """torch.compile in place (state_dict keys unchanged), LEV's generator on its own; what is
-        compiled and what is not: lev_fast.py, at its end."""
+        compiled and what is not: "What torch.compile sees", at the end of this file."""
         if self.cfg.embedding == "lev":
             compile_lev(self.lev, **options)
         nn.Module.compile(self, dynamic=dynamic, **options)
@@ -566,18 +559,15 @@ def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_v
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-             generator=None, use_cache=True, stop_id=None, n_valid=None):
+             generator=None, stop_id=None, n_valid=None):
     """Iterator over up to max_new_tokens new ids that continue prompt_ids (a list of ints,
-    1 to seq_len of them). It ends early when stop_id is sampled (stop_id is not yielded).
-    use_cache=False reruns the whole context every step: slow, kept as the reference the
-    cache is tested against. Both paths apply the same context policy (in _generate)."""
+    1 to seq_len of them). It ends early when stop_id is sampled (stop_id is not yielded)."""
     if not 1 <= len(prompt_ids) <= model.cfg.seq_len:
         raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, got {len(prompt_ids)}")
-    return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p,
-                     generator, use_cache, stop_id, n_valid)
+    return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid)
 
 
-def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, use_cache, stop_id, n_valid):
+def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
     device, seq_len = model.head.weight.device, model.cfg.seq_len
     # Context policy: the model sees at most seq_len tokens, tokens[start:]. When one more
     # would not fit, the window jumps to the last seq_len // 2 tokens. Cached keys carry
@@ -589,14 +579,12 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generato
     for _ in range(max_new_tokens):
         if len(tokens) - start > seq_len:
             start, cache = len(tokens) - keep, None
-        if not use_cache:
-            new = tokens[start:]
-        elif cache is None:  # (re)fill: the whole window at once, from position 0
+        if cache is None:  # (re)fill: the whole window at once, from position 0
             cache, new = model.new_cache(1), tokens[start:]
         else:  # the cache holds tokens[start:-1]; feed only the last one
             new = tokens[-1:]
         with torch.no_grad():  # around the forward only: grad mode must not leak to the caller between yields
-            logits = model(torch.tensor([new], device=device), cache=cache if use_cache else None)[0, -1]
+            logits = model(torch.tensor([new], device=device), cache=cache)[0, -1]
         next_id = sample_next(logits, temperature, top_k, top_p, generator, n_valid)
         if next_id == stop_id:
             return
@@ -604,68 +592,243 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generato
         yield next_id
 
 
+# =============================================================================
+# Fast path: skip on a first reading
+#
+# LEV.generate's steps 3c-3e: the arithmetic of generate_reference without its cost. Written
+# out, those steps keep a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r] for the
+# backward: ~1 GB for a few hundred ids at the paper's sizes. Here:
+# - only the 3 non-zero B_m(t_d) are made (bspline_nonzero), once per call, as small planes;
+# - phi_d mixes the 3 rows of S around t_d's nearest knot with float32 multiply-adds, no matmul,
+#   so it is exact float32 on any device (group_products);
+# - phi is never written to memory: compiled into one fused kernel (C++ on a CPU, Triton on a
+#   GPU), each phi_d lives in registers and goes straight into its group's product; the backward
+#   (product_gradients) makes phi again from t. Only t, S and M are saved;
+# - (R) the product of d_seed factors is carried as mantissa x 2^exponent (modes_from_groups), so
+#   it can neither under- nor overflow: the same product as sign * exp(sum_d log|phi_d|) without a
+#   logarithm per factor, and nothing to check (no wait for a GPU);
+# - the coordinates are worked through in chunks (seed_chunks), so memory stays bounded.
+# The tests hold this path to generate_reference in value and gradient.
+
 # -----------------------------------------------------------------------------
-# Sizes: the model's shape and train.py's defaults, one row per size
+# Steps 3c-3e, fused and exact
 
 
-@dataclass(frozen=True)
-class Preset:
-    model: Config
-    dataset: str  # train.py reads data/<dataset>/ (prepare_data.py writes it)
-    total_tokens: int  # the training budget
-    batch_tokens: int  # tokens per optimizer step
-    micro_batch: int  # sequences per GPU per forward pass
-    lr: float  # the backbone's peak AdamW rate
-    warmup_steps: int
-    eval_interval: int  # steps
-    eval_tokens: int
-    ckpt_interval: int  # steps
-    lr_scales: dict  # arm -> (lr_input, lr_head), multipliers of lr (Model.configure_optimizers)
+def bspline_nonzero(t, knots):
+    """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
+    only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
+    in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
+    Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
+    (int32, clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
+    position = t * (knots - 1)
+    nearest = position.round()
+    f = position - nearest
+    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead, so each plane is contiguous
+    a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
+                           device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
+    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
+    inside = (neighbours >= 0) & (neighbours < knots)
+    values, slopes = (a + b * f + c * f**2) * inside, (b + 2 * c * f) * inside * (knots - 1)
+    # (R) Normalised as in bspline_basis: at the two end knots a neighbour falls outside [0, kappa).
+    total = values.sum(0)
+    values = values / total
+    slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
+    return neighbours.clamp_(0, knots - 1).int(), values, slopes
 
 
-# (lr_input, lr_head) per arm at D = 128, the tiny preset: the best of the CPU-scale study's
-# width sweep there (study/README.md: tuning half, 110 steps, the paper's step 3b): the tied table
-# and the zero-initialised untied heads want ~30x the backbone's rate, LEV 0.1x.
-TINY_LR_SCALES = {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)}
-
-# The paper sizes' multipliers follow the width sweep (D = 64, 128, 256): for each multiplier
-# whose best fell with D, the power law x_128 (D / 128)^e fitted to it, carried 3-16x past the
-# widths measured (an extrapolation). The heads' laws fall nearly as 1/D, as muP has an output
-# layer's Adam rate fall; the tied table, also the input, falls more slowly. LEV's x0.1 was the
-# best of its grid at every width, at the grid's edge, so it has no law and stays.
-WIDTH_LAWS = {"tied": (20.7, -0.26), "untied": (29.2, -0.67), "lev": (29.7, -0.72)}  # (x_128, e)
+def knot_rows(spline, index):
+    """S_l[d, m] at the 3 knots m = index[j] of each (d, l, n): three [d, h, N, r] tensors.
+    Compiled, they are indirect loads inside the kernel and never written to memory."""
+    heads, seed_dim = spline.shape[:2]
+    d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
+    head = torch.arange(heads, device=index.device).view(1, -1, 1)
+    return [spline[head, d, index[j]] for j in range(3)]
 
 
-def paper_lr_scales(d_model):
-    """(lr_input, lr_head) per arm at width d_model, by WIDTH_LAWS, to two significant digits."""
-    x = {arm: float(f"{x_128 * (d_model / 128) ** e:.2g}") for arm, (x_128, e) in WIDTH_LAWS.items()}
-    return {"lev": (0.1, x["lev"]), "tied": (x["tied"], 1.0), "untied": (1.0, x["untied"])}
+def mix_rows(rows, weights):
+    """sum_j weights[j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d with
+    their slopes; three float32 multiply-adds per element."""
+    return sum(row * weights[j, ..., None] for j, row in enumerate(rows))
 
 
-# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter).
-# Learning rate, warmup and decay, which it does not publish, are conservative GPT-3/Pythia
-# values (LEV's product spikes at too high a rate). One shape rule: heads of 128 dims, SwiGLU of
-# 8/3 D, and the depth that brings the *tied* model (embedding included, as the paper counts)
-# closest to its nominal size with o200k_base. D = 2048 at 1.2B is the paper's; it publishes no
-# other width and no depth, so 768 and 1024 are the usual GPT-2/LLaMA widths. The o200k table
-# is 154M of the 200M model, which leaves it 7 layers.
-#   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (test_size_presets_match_the_paper)
-PAPER = dict(dataset="pile", batch_tokens=512 * 512, micro_batch=16, warmup_steps=1000, eval_interval=1000,
-             eval_tokens=1 << 22, ckpt_interval=1000)
-SIZES = {
-    # tiny: minutes on a 2-core CPU on the demo corpus (8,192-id vocabulary), 660 steps; lr 3e-3
-    # trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
-    # would leave a 128-wide model one head. LEV keeps d_seed = 128 and kappa = 16 but has
-    # h * r = D modes (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would
-    # cost more per distinct id than the whole backbone costs per token.
-    "tiny": Preset(Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256, lev_heads=4, lev_rank=32),
-                   dataset="demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
-                   warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200,
-                   lr_scales=TINY_LR_SCALES),
-    "200m": Preset(Config(d_model=768, n_layer=7, n_head=6), total_tokens=4_200_000_000, lr=6e-4,
-                   lr_scales=paper_lr_scales(768), **PAPER),
-    "400m": Preset(Config(d_model=1024, n_layer=15, n_head=8), total_tokens=8_400_000_000, lr=3e-4,
-                   lr_scales=paper_lr_scales(1024), **PAPER),
-    "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4,
-                   lr_scales=paper_lr_scales(2048), **PAPER),
-}
+# The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
+# of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
+# again for every r-vector of phi, which costs LEV's forward + backward 4-10% more on a CPU.
+
+
+def group_products(index, values, spline, group):
+    """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
+    sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
+    no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
+    coordinates as mantissa and exponent: phi_d = m_d 2^(e_d) with |m_d| in [0.5, 1) (frexp), and
+    the group's product is (prod_d m_d) 2^(sum_d e_d), two [d / group, h, N, r] tensors. A product
+    of g <= 126 such mantissas never leaves float32's normal range, whatever phi is, so each of
+    its partial products rounds exactly as a plain float32 product of the phi_d would, had that
+    one stayed in range. Compiled (Fused, below), phi lives in registers only. On a CPU, where
+    inductor's C++ calls frexp one element at a time, this costs more than a plain product whose
+    range is checked afterwards; but that check would make a GPU wait for its result at every
+    call, where frexp is a few instructions per element."""
+    mantissas, exponents = torch.frexp(mix_rows(knot_rows(spline, index), values))
+    return mantissas.unflatten(0, (-1, group)).prod(1), exponents.unflatten(0, (-1, group)).sum(1)
+
+
+def product_gradients(index, values, slopes, spline, grad_times_modes):
+    """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
+    q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
+    (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
+    basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
+    rows = knot_rows(spline, index)
+    phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
+    q = grad_times_modes / phi
+    knots = torch.arange(spline.shape[2], device=index.device)
+    basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
+    return q, (q * phi_slope).sum(-1), basis
+
+
+# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
+# group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
+# backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
+# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is ~3 MB.
+CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
+
+
+def seed_chunks(t, rank, multiple=1):
+    """Slices of the seed coordinates d, each a multiple of `multiple` long."""
+    seed_dim, heads, n = t.shape
+    budget = CHUNK_FLOATS_CPU if t.device.type == "cpu" else CHUNK_FLOATS_GPU
+    size = max(1, budget // (heads * n * rank)) // multiple * multiple or multiple
+    return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
+
+
+def product_group(seed_dim):
+    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 64
+    (a product of 64 mantissas is >= 2^-64, well inside float32's normal range, >= 2^-126)."""
+    return max(g for g in range(1, 65) if seed_dim % g == 0)
+
+
+def modes_from_groups(t, spline):
+    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): each group's
+    product comes as mantissa and exponent (group_products), and after multiplying it in,
+    frexp moves the running product's scale into the integer exponent, so no partial product
+    leaves float32's normal range however many factors M has."""
+    seed_dim, heads, n = t.shape
+    group = product_group(seed_dim)
+    mantissa = t.new_ones(heads, n, spline.shape[-1])
+    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
+    bspline, products_of_groups, _ = kernels_for(t, spline)
+    index, values, _ = bspline(t, spline.shape[2])
+    for d in seed_chunks(t, spline.shape[-1], group):
+        mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
+        for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
+            mantissa, scale = torch.frexp(mantissa * group_mantissa)
+            exponent = exponent + scale + group_exponent
+    return torch.ldexp(mantissa, exponent)
+
+
+class SeparableProduct(torch.autograd.Function):
+    """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
+
+    phi, [d_seed, h, N, r], is LEV's one big tensor, and it is never written: the fused forward
+    multiplies each phi_d into a group product as it is made, and the backward makes it again
+    from t. Only t, S and M are saved.
+
+    Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
+    matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
+    backward; phi and M never go through a matmul)."""
+
+    @staticmethod
+    def forward(ctx, t, spline):
+        modes = modes_from_groups(t, spline)
+        ctx.save_for_backward(t, spline, modes)
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        t, spline, modes = ctx.saved_tensors
+        grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
+        grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
+        bspline, _, gradients = kernels_for(t, spline)
+        index, values, slopes = bspline(t, spline.shape[2])
+        for d in seed_chunks(t, spline.shape[-1]):
+            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d], grad_times_modes)
+            grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
+        return grad_t, grad_spline
+
+
+@torch.compiler.disable
+def separable_modes(t, spline):
+    """SeparableProduct, kept out of every compiled graph (see "What torch.compile sees")."""
+    return SeparableProduct.apply(t, spline)
+
+
+# -----------------------------------------------------------------------------
+# What torch.compile sees: every decision, in one place
+#
+# 1. The product's three kernels (bspline_nonzero, group_products, product_gradients) are
+#    compiled on their own, whether or not the model is (Fused, below): phi stays in registers
+#    only if they are. A call with fewer than FUSE_MIN_FLOATS floats of phi (a test-sized LEV)
+#    runs them eagerly: compiling costs seconds, once per process, which such a call never repays.
+# 2. separable_modes, which calls them, stays out of every other graph (torch.compiler.disable):
+#    traced, its backward's rebuilt phi would be merged with the forward's, and phi saved after all.
+# 3. LEV.forward stays out too (torch.compiler.disable): torch.unique's output
+#    size changes with every batch, and the backbone after it should see one shape.
+# 4. Model.compile: the model in place (backbone, head, loss), and LEV.generate on
+#    its own for any number of ids (compile_lev, dynamic=True), which fuses the small steps around
+#    the product.
+
+FUSE_MIN_FLOATS = 1 << 20  # floats of phi below which a call runs eagerly (1. above)
+
+
+# What a failure of compiling itself arrives as (torch 2.4-2.13: torch/_dynamo/exc.py,
+# torch/_inductor/exc.py), raised before the compiled kernel runs: BackendCompilerFailed, dynamo's
+# wrapper around whatever inductor raised (no C++ compiler: InvalidCxxCompiler; a failing one:
+# CppCompileError; a Triton compile error), in newer torch as its subclass InductorError;
+# ShortenTraceback, their base in newer torch, which also carries TritonMissing and
+# GPUTooOldForTriton (an unsupported GPU) unwrapped; Unsupported and InternalTorchDynamoError,
+# dynamo refusing or failing to trace fn. By name, as an older torch lacks some (torch._dynamo is
+# loaded: torch.compiler.disable above). Not caught: what the kernel raises as it runs (out of
+# memory, an index out of bounds, a device-side assert, a Triton launch error), a fault to see,
+# not a reason to run LEV ~6x slower from then on.
+COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
+                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError")
+                         if hasattr(torch._dynamo.exc, name))
+
+
+class Fused:
+    """fn compiled by torch.compile into fused kernels (inductor: C++ loops on a CPU, Triton on
+    a GPU; group_products is one, so phi stays in registers). Where compiling fails (no C++
+    compiler, an unsupported GPU), fn runs eagerly: the same result, slower, with one warning
+    line for all the kernels. An error of the compiled kernel as it runs propagates, and the
+    kernel stays compiled."""
+    warned = False
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except COMPILE_FAILURES as error:
+                if not Fused.warned:
+                    cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
+                    reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
+                    print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
+                    Fused.warned = True
+                self.compiled = None
+        return self.fn(*args)
+
+
+KERNELS = bspline_nonzero, group_products, product_gradients
+FUSED_KERNELS = tuple(Fused(kernel) for kernel in KERNELS)
+
+
+def kernels_for(t, spline):
+    """(bspline_nonzero, group_products, product_gradients) for this call: fused where it pays
+    for compiling."""
+    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
+
+
+def compile_lev(lev, **options):
+    """LEV.generate compiled for any number of ids; its product stays eager (2.), its kernels fused (1.)."""
+    lev.generate = torch.compile(lev.generate, dynamic=True, **options)

@@ -10,13 +10,87 @@ Inference choices, each explained where it is made below:
   model's seq_len, the last seq_len // 2 tokens are kept and re-read into a fresh cache.
 - Padding ids (the vocabulary rounded up to a multiple of 128) are never sampled.
 """
-import sys, time
+import os, sys, time
 
 import torch
 
-from checkpoint import load_model
-from cli import ArgumentParser, UserError, check_device, parse_bool, run_main
-from leviathan import generate
+from leviathan import Config, Model, generate
+from prepare_data import ArgumentParser, UserError, parse_bool, run_main, tokenizer_from_meta
+
+# ---------------------------------------------------------------------------- a trained model from its checkpoint
+
+
+def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
+    """A train.py checkpoint, checked to hold `keys`. Always onto the CPU, whatever device saved
+    it: each rank copies only the weights into its own GPU.
+    Memory-mapped: only the tensors used are read, and ranks on one node share one copy."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a truncated file, not a checkpoint, or pickled objects
+        raise UserError(f"could not read {path} ({type(e).__name__}: {e}); is it a train.py checkpoint?") from None
+    missing = [key for key in keys if not isinstance(ckpt, dict) or key not in ckpt]
+    if missing or not isinstance(ckpt["model"], dict):
+        raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing or ['model'])})")
+    return ckpt
+
+
+def check_state_dict(model, state, path):
+    """Explain a mismatch in one line instead of load_state_dict's multi-line report."""
+    want = model.state_dict()
+    found = {"missing": [k for k in want if k not in state],
+             "unexpected": [k for k in state if k not in want],
+             "shapes differ:": [f"{k} {list(state[k].shape)} (code wants {list(v.shape)})"
+                                for k, v in want.items() if k in state and state[k].shape != v.shape]}
+    problems = [f"{what} {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                for what, names in found.items() if names]
+    if problems:
+        raise UserError(f"{path}: the weights do not fit the model its model_config describes "
+                        f"({'; '.join(problems)}); was it written by another version of leviathan.py?")
+
+
+def load_model(out_dir, device="cpu"):
+    """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
+    model.freeze_lev() once every other check has passed (slow for a large vocabulary on a CPU)."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isdir(out_dir):
+        raise UserError(f"run folder {out_dir} not found; pass --out_dir=RUN, the folder train.py wrote")
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint {path}; train first (python train.py), or pick another --out_dir")
+    ckpt = load_checkpoint(path)
+    try:
+        cfg = Config(**ckpt["model_config"])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: model_config does not match leviathan.Config ({e}); "
+                        "was it written by another version of leviathan.py?") from None
+    try:
+        tok = tokenizer_from_meta(ckpt["data_meta"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{path}: data_meta lacks the tokenizer fields ({e}); is it a train.py checkpoint?") from None
+    except UserError as e:
+        raise UserError(f"{path}: cannot rebuild the data's tokenizer: {e}") from None
+    if tok.n_vocab > cfg.vocab_size:
+        raise UserError(f"{path}: the tokenizer has {tok.n_vocab} ids but the model only {cfg.vocab_size}")
+    with torch.device(device):  # initialise on the device: far faster for a large model on a GPU
+        model = Model(cfg)
+    check_state_dict(model, ckpt["model"], path)
+    model.load_state_dict(ckpt["model"])
+    return model.eval(), tok, ckpt.get("step")
+
+
+
+def check_device(name):
+    """Refuse a --device this machine cannot use, in one line."""
+    import torch  # here, not at the top: prepare_data.py never pays for importing torch
+    try:
+        torch.empty(1, device=name)
+    except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
+        raise UserError(f"device {name!r} is not usable here ({str(e).splitlines()[0]}); try --device=cpu") from None
+
+
+
+# ---------------------------------------------------------------------------- streaming text
+
+
 
 
 class TextStream:

@@ -1,133 +1,192 @@
 """Train a Leviathan model (or one of its two baselines) on token shards from prepare_data.py.
 
-    python train.py --size=tiny --dataset=demo                 # CPU, a few minutes
-    python train.py --size=200m --embedding=tied               # one GPU
+    python train.py --size=tiny                                # CPU, a few minutes (data/demo)
+    python train.py --size=200m --embedding=tied               # one GPU (data/pile)
     torchrun --nproc_per_node=8 train.py --size=1.2b           # DDP; add --nnodes/--rdzv_* for several nodes
     python train.py --size=200m --resume                       # continue out/200m-lev exactly
     python train.py --size=200m --eval_only                    # evaluate its checkpoint
 
-Every field of TrainConfig is an option, --name=value (a bare --flag means true). Fields left at
-None take the value of the chosen --size, from leviathan.SIZES: the model's shape, the training
-defaults and each arm's learning-rate multipliers. `python train.py --help` lists them all.
+Every field of TrainConfig is an option, --name=value (a bare --flag means true); one left at None
+takes the value of the chosen --size (SIZES). `python train.py --help` lists them all.
 
-Read top to bottom: the options; the set-up (device, DDP, data), where every check that can
-refuse a run comes before any work; the model and optimizer; the loop; the evaluation. A run's
-checkpoint, preemption signals and the ranks' agreement on a failure are in checkpoint.py.
+Read top to bottom, in the order a run meets them: the sizes, the options, the set-up (device,
+DDP, data), where every check that can refuse a run comes before any work; the model and
+optimizer; main, with the loop; one step; the evaluation; checkpoints and preemption signals.
 """
-import argparse, dataclasses, datetime, inspect, json, math, os, re, signal, sys, time, types
+import argparse, dataclasses, datetime, inspect, json, math, os, re, signal, sys, threading, time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (STOP, STOP_SIGNALS, CheckpointWriter, check_checkpoint, checkpoint, failed_rank, keep_log_until,
-                        load_checkpoint, on_signal, shut_down)
-from cli import ArgumentParser, UserError, add_dataclass_options, print_error
-from data import Windows, bucket_sums, bucket_table, open_data, tokenizer_from_meta, val_windows, write_json
-from leviathan import EMBEDDINGS, SIZES, Config, Model, Preset, padded_vocab
+from leviathan import EMBEDDINGS, Config, Model, padded_vocab
+from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, parse_bool, parse_number, print_error,
+                          read_shard, shard_paths, tokenizer_from_meta, write_json)
+from sample import load_checkpoint
+
+# ---------------------------------------------------------------------------- the sizes
 
 
-# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class Preset:
+    model: Config  # the shape; vocab_size is the tokenizer's (data/<name>/meta.json)
+    data_dir: str  # what prepare_data.py wrote
+    total_tokens: int  # the training budget
+    batch_tokens: int  # tokens per optimizer step
+    micro_batch: int  # sequences per GPU per forward pass
+    lr: float  # the backbone's peak AdamW rate
+    warmup_steps: int
+    eval_interval: int  # steps
+    eval_tokens: int
+    ckpt_interval: int  # steps
+    lr_scales: dict  # arm -> (lr_input, lr_head), multipliers of lr (Model.configure_optimizers)
+
+
+# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter).
+# Learning rate, warmup and decay, which it does not publish, are conservative GPT-3/Pythia
+# values (LEV's product spikes at too high a rate). One shape rule: heads of 128 dims, SwiGLU of
+# 8/3 D, and the depth that brings the *tied* model (embedding included, as the paper counts)
+# closest to its nominal size with o200k_base. D = 2048 at 1.2B is the paper's; it publishes no
+# other width and no depth, so 768 and 1024 are the usual GPT-2/LLaMA widths. The o200k table
+# is 154M of the 200M model, which leaves it 7 layers.
+#   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (tests/test_train.py checks)
+# The multipliers (lr_input, lr_head) come from the CPU-scale study's width sweep
+# (experiments/study.md): at D = 128 its best; at the paper's widths the power laws fitted there,
+# extrapolated. Zero-initialised heads and the tied table want far more than the backbone's rate,
+# LEV a tenth of it.
+PAPER = dict(data_dir="data/pile", batch_tokens=512 * 512, micro_batch=16, warmup_steps=1000,
+             eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
+SIZES = {
+    # tiny: minutes on a 2-core CPU on the demo corpus (8,192-id vocabulary), 660 steps; lr 3e-3
+    # trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
+    # would leave a 128-wide model one head. LEV keeps d_seed = 128 and kappa = 16 but has
+    # h * r = D modes (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would
+    # cost more per distinct id than the whole backbone costs per token.
+    "tiny": Preset(Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256, lev_heads=4, lev_rank=32),
+                   data_dir="data/demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
+                   warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200,
+                   lr_scales={"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)}),
+    "200m": Preset(Config(d_model=768, n_layer=7, n_head=6), total_tokens=4_200_000_000, lr=6e-4,
+                   lr_scales={"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)}, **PAPER),
+    "400m": Preset(Config(d_model=1024, n_layer=15, n_head=8), total_tokens=8_400_000_000, lr=3e-4,
+                   lr_scales={"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)}, **PAPER),
+    "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4,
+                   lr_scales={"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}, **PAPER),
+}
+
+# ---------------------------------------------------------------------------- the options
+
+
+def one_of(names, what):
+    return (lambda v: v in names), f"one of {', '.join(names)} ({what})"
+
+
+def at_least(least, why=""):
+    return (lambda v: math.isfinite(v) and v >= least), f">= {least}{why}"
+
+
+def positive():
+    return (lambda v: math.isfinite(v) and v > 0), "> 0"
+
+
+def within(low, high, why, closed=True):
+    return ((lambda v: math.isfinite(v) and low <= v <= high) if closed else
+            (lambda v: math.isfinite(v) and low <= v < high)), f"in [{low}, {high}{']' if closed else ')'} ({why})"
+
+
+def option(default, help, rule=None):
+    """A TrainConfig field: its default, its --help, and the rule a given value must follow."""
+    return field(default=default, metadata=dict(help=help, rule=rule))
 
 
 @dataclass
-class TrainConfig:  # each field's comment is its option's --help
+class TrainConfig:
     # what to train, on what
-    size: str = "tiny"  # tiny | 200m | 400m | 1.2b (leviathan.SIZES)
-    embedding: str = "lev"  # lev (Leviathan) | tied (the paper's baseline) | untied (ablation)
-    dataset: str | None = None  # reads data/<dataset>/ (prepare_data.py); tiny: demo, others: pile
-    data_dir: str = ""  # a data folder given directly (overrides --dataset)
-    out_dir: str = ""  # default out/<size>-<embedding>
-    # model shape: None keeps the size preset (vocab_size always comes from the data)
-    d_model: int | None = None  # model width D
-    n_layer: int | None = None  # Transformer blocks
-    n_head: int | None = None  # attention heads
-    seq_len: int | None = None  # tokens per training sequence (the context)
-    rope_theta: float | None = None  # rotary base
-    lev_digits: int | None = None  # LEV: k, digits per id
-    lev_seed_dim: int | None = None  # LEV: d_seed, the seed's width
-    lev_heads: int | None = None  # LEV: h heads
-    lev_knots: int | None = None  # LEV: kappa, B-spline knots
-    lev_rank: int | None = None  # LEV: r, modes per head
-    lev_sigmoid_scale: float | None = None  # LEV: t = sigmoid(scale * u), the paper's 1/2; 1 as in the study
+    size: str = option("tiny", "the model and its defaults", one_of(SIZES, "SIZES"))
+    embedding: str = option("lev", "lev (Leviathan) | tied (the paper's baseline) | untied (ablation)",
+                            one_of(EMBEDDINGS, "the three arms"))
+    data_dir: str | None = option(None, "a folder prepare_data.py wrote; None: the size's (data/demo, data/pile)")
+    out_dir: str = option("", "the run folder (default out/<size>-<embedding>)")
+    # model shape: None keeps the size's (vocab_size always comes from the data); leviathan.Config checks them
+    d_model: int | None = option(None, "model width D")
+    n_layer: int | None = option(None, "Transformer blocks")
+    n_head: int | None = option(None, "attention heads")
+    seq_len: int | None = option(None, "tokens per training sequence (the context)")
+    rope_theta: float | None = option(None, "rotary base")
+    lev_digits: int | None = option(None, "LEV: k, digits per id")
+    lev_seed_dim: int | None = option(None, "LEV: d_seed, the seed's width")
+    lev_heads: int | None = option(None, "LEV: h heads")
+    lev_knots: int | None = option(None, "LEV: kappa, B-spline knots")
+    lev_rank: int | None = option(None, "LEV: r, modes per head")
+    lev_sigmoid_scale: float | None = option(None, "LEV: t = sigmoid(scale * u), (R) 1/2; 1 as in the study's first part")
     # budget, batch and optimiser
-    total_tokens: int | None = None  # training tokens; steps = total_tokens // batch_tokens
-    batch_tokens: int | None = None  # tokens per optimizer step, over all GPUs (fixed whatever the world size)
-    micro_batch: int | None = None  # sequences per GPU per forward pass; accumulation fills the rest
-    lr: float | None = None  # peak learning rate of the backbone
-    lr_input: float | None = None  # x lr for the input side (LEV, or the table); None: the size's lr_scales
-    lr_head: float | None = None  # x lr for the untied head (lev, untied); None: the size's lr_scales
-    warmup_steps: int | None = None  # steps of linear warmup
-    min_lr_frac: float = 0.1  # cosine decay ends at min_lr_frac * lr
-    weight_decay: float = 0.1  # on the backbone and head matrices only (Model.configure_optimizers)
-    beta1: float = 0.9  # AdamW's first-moment decay
-    beta2: float = 0.95  # AdamW's second-moment decay
-    grad_clip: float = 1.0  # largest gradient norm
-    seed: int = 1337  # model init and data order
+    total_tokens: int | None = option(None, "training tokens; steps = total_tokens // batch_tokens", at_least(1))
+    batch_tokens: int | None = option(None, "tokens per optimizer step over all GPUs (whatever the world size)",
+                                      at_least(1))
+    micro_batch: int | None = option(None, "sequences per GPU per forward pass; accumulation fills the rest",
+                                     at_least(1))
+    lr: float | None = option(None, "peak learning rate of the backbone", positive())
+    lr_input: float | None = option(None, "x lr for the input side (LEV, or the table); None: the size's", positive())
+    lr_head: float | None = option(None, "x lr for the untied head (lev, untied); None: the size's", positive())
+    warmup_steps: int | None = option(None, "steps of linear warmup", at_least(0))
+    min_lr_frac: float = option(0.1, "cosine decay ends at min_lr_frac * lr", within(0, 1, "a fraction of --lr"))
+    weight_decay: float = option(0.1, "on the backbone and head matrices only",
+                                 at_least(0, " (a negative decay would grow the weights)"))
+    beta1: float = option(0.9, "AdamW's first-moment decay", within(0, 1, "a decay", closed=False))
+    beta2: float = option(0.95, "AdamW's second-moment decay", within(0, 1, "a decay", closed=False))
+    grad_clip: float = option(1.0, "largest gradient norm", positive())
+    seed: int = option(1337, "model init and data order", within(0, 2**63, "a seed", closed=False))
     # evaluation, logging, checkpoints
-    eval_interval: int | None = None  # steps between evaluations (and one at the end)
-    eval_tokens: int | None = None  # validation tokens evaluated (the first ones of the val split)
-    log_interval: int = 10  # steps between log lines
-    ckpt_interval: int | None = None  # steps between checkpoints (and one at the end)
-    eval_only: bool = False  # evaluate out_dir/ckpt.pt and exit
-    resume: bool = False  # continue from out_dir/ckpt.pt
-    stop_step: int = 0  # save and exit after this step, schedule unchanged (0: run to the end)
+    eval_interval: int | None = option(None, "steps between evaluations (and one at the end)", at_least(1))
+    eval_tokens: int | None = option(None, "validation tokens evaluated (the first of the val split)", at_least(1))
+    log_interval: int = option(10, "steps between log lines", at_least(1))
+    ckpt_interval: int | None = option(None, "steps between checkpoints (and one at the end)", at_least(1))
+    eval_only: bool = option(False, "evaluate out_dir/ckpt.pt and exit")
+    resume: bool = option(False, "continue from out_dir/ckpt.pt")
+    stop_step: int = option(0, "save and exit after this step, schedule unchanged (0: run to the end)", at_least(0))
     # hardware
-    device: str = "auto"  # auto | cpu | cuda
-    compile: bool | None = None  # torch.compile; None: on for CUDA, off for CPU
-    bf16: bool | None = None  # bf16 autocast (LEV and the loss stay float32); None: on for CUDA, off for CPU
-    bf16_allreduce: bool = False  # DDP: all-reduce gradients in bf16, half the traffic (for several nodes)
-    deterministic: bool = False  # deterministic kernels: bit-identical reruns and resumes (CUDA: slower)
-    wandb_project: str = ""  # log to Weights & Biases (needs `pip install wandb`)
-    wandb_run_name: str = ""  # the run's name there
+    device: str = option("auto", "where to train", one_of(("auto", "cpu", "cuda"), "cuda if there is a GPU"))
+    compile: bool | None = option(None, "torch.compile; None: on for CUDA, off for CPU")
+    bf16: bool | None = option(None, "bf16 autocast of the backbone and the head's matmuls (LEV and the "
+                                     "softmax stay float32); None: on for CUDA, off for CPU")
+    bf16_allreduce: bool = option(False, "DDP: all-reduce gradients in bf16, half the traffic (for several nodes)")
+    deterministic: bool = option(False, "deterministic kernels: bit-identical reruns and resumes (CUDA: slower)")
+    wandb_project: str = option("", "log to Weights & Biases (needs `pip install wandb`)")
+    wandb_run_name: str = option("", "the run's name there")
 
     def __post_init__(self):
-        """Refuse out-of-range values before any work starts; None means "from the size" and is
-        checked once resolve() has filled it in. Model shapes are leviathan.Config's to check."""
-        for name, (allowed, rule) in RULES.items():
-            value = getattr(self, name)
-            if value is not None and not allowed(value):
-                raise UserError(f"--{name}={value}: must be {rule}")
+        """The one check of every option's range; None means "from the size" and is checked once
+        resolve() has filled it in. The model's shape is leviathan.Config's to check."""
+        for f in dataclasses.fields(self):
+            value, rule = getattr(self, f.name), f.metadata["rule"]
+            if value is not None and rule is not None and not rule[0](value):
+                raise UserError(f"--{f.name}={value}: must be {rule[1]}")
         if self.wandb_run_name and not self.wandb_project:
             raise UserError("--wandb_run_name needs --wandb_project")
-
-
-def finite(v):
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-# What each option may be: a test, and the rule as the error states it.
-RULES = {
-    "size": (lambda v: v in SIZES, f"one of {', '.join(SIZES)} (the model presets)"),
-    "embedding": (lambda v: v in EMBEDDINGS, f"one of {', '.join(EMBEDDINGS)} (the three arms)"),
-    "dataset": (lambda v: v != "", "a name under data/ (what prepare_data.py wrote)"),
-    "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
-    **{name: (lambda v: v >= 1, ">= 1") for name in ("total_tokens", "batch_tokens", "micro_batch", "eval_interval",
-                                                     "eval_tokens", "log_interval", "ckpt_interval")},
-    **{name: (lambda v: v >= 0, ">= 0") for name in ("warmup_steps", "stop_step")},
-    **{name: (lambda v: finite(v) and v > 0, "> 0") for name in ("lr", "lr_input", "lr_head", "grad_clip")},
-    "min_lr_frac": (lambda v: finite(v) and 0 <= v <= 1, "in [0, 1] (the final fraction of --lr)"),
-    "weight_decay": (lambda v: finite(v) and v >= 0, ">= 0 (a negative decay would grow the weights)"),
-    "beta1": (lambda v: finite(v) and 0 <= v < 1, "in [0, 1) (AdamW's first-moment decay)"),
-    "beta2": (lambda v: finite(v) and 0 <= v < 1, "in [0, 1) (AdamW's second-moment decay)"),
-    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2^63)"),
-}
+        if self.embedding == "tied" and self.lr_head not in (None, 1.0):
+            raise UserError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
 TRAIN_FIELDS = [f.name for f in dataclasses.fields(Preset) if f.name not in ("model", "lr_scales")]  # the preset's rest
 # On --resume these may change freely; every other field changes the loss curve and must match.
-RESUME_FREE = {"dataset", "data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
-               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce",
-               "deterministic", "wandb_project", "wandb_run_name"}
+RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval", "ckpt_interval",
+               "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
+               "wandb_project", "wandb_run_name"}
 
 
 def parse_args(argv):
     """--name=value options -> {field: value} for the fields given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_options(parser, TrainConfig, none_means="from --size")
+    for f in dataclasses.fields(TrainConfig):
+        kind = next(t for t in getattr(f.type, "__args__", [f.type]) if t is not type(None))
+        shown = "" if f.default in (None, "") else f" (default: {f.default})"
+        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
+            type=parse_number(kind) if kind in (int, float) else str)
+        parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                            help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
     return vars(parser.parse_args(argv))
 
 
@@ -144,14 +203,12 @@ def resolve(given, saved=None):
         except TypeError as e:  # a checkpoint from another version of train.py
             raise UserError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
     config = TrainConfig(**given)
-    if config.embedding == "tied" and config.lr_head not in (None, 1.0):
-        raise UserError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
     preset = SIZES[config.size]
     lr_input, lr_head = preset.lr_scales[config.embedding]
     defaults = {**{k: getattr(preset, k) for k in TRAIN_FIELDS}, "lr_input": lr_input, "lr_head": lr_head,
                 **{k: getattr(preset.model, k) for k in MODEL_FIELDS},
                 "out_dir": os.path.join("out", f"{config.size}-{config.embedding}")}
-    config = dataclasses.replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) in (None, "")})
+    config = TrainConfig(**{**asdict(config), **{k: v for k, v in defaults.items() if getattr(config, k) in (None, "")}})
     model_config(config, {"vocab_size": preset.model.vocab_size})  # the model's shape rules, before any work
     return config
 
@@ -163,13 +220,45 @@ def model_config(config, meta):
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
-
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 
 
-class Run(types.SimpleNamespace):
-    """Everything the loop needs, in one place. raw_model is the plain module (saved, counted,
-    optimised); model is the form that runs it: compiled, and wrapped in DDP across ranks."""
+@dataclass
+class Run:
+    """Everything the loop needs. raw_model is the plain module (saved, counted, optimised);
+    model is the form that runs it: compiled, and wrapped in DDP across ranks."""
+    config: TrainConfig
+    model_config: Config
+    meta: dict  # the data folder's meta.json
+    counts: np.ndarray  # each token id's count in the train split: the frequency buckets
+    byte_lengths: np.ndarray  # UTF-8 bytes per id: bits per byte
+    train: "Windows"
+    val: list  # the fixed validation windows
+    ckpt: dict | None  # the checkpoint resumed from, until build() has restored it
+    device: torch.device
+    rank: int
+    world: int
+    accum: int  # micro-steps per optimizer step on each rank
+    step_windows: int  # windows per optimizer step, over all ranks
+    max_steps: int
+    step: int = 0  # optimizer steps done
+    raw_model: Model | None = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    autocast: object = nullcontext()
+    writer: "CheckpointWriter | None" = None
+    wandb: object = None
+    peak_flops: float | None = None  # per GPU, for MFU
+
+    @property
+    def position(self):
+        """Windows consumed: the data position of step `step`, the same for any world size."""
+        return self.step * self.step_windows
+
+    @property
+    def n_buckets(self):
+        """Frequency buckets: count 0, then as many decades (1-9, 10-99, ...) as the most frequent token needs."""
+        return 1 + len(str(max(1, int(self.counts.max()))))
 
 
 def setup_device(config):
@@ -200,6 +289,78 @@ def setup_device(config):
     return device, rank, world
 
 
+def failed_rank(error):
+    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
+    missing on one node): every rank learns of it here, so all stop instead of waiting for the
+    failed one inside the next collective."""
+    if not dist.is_initialized():
+        return 0 if error is not None else None  # every rank fails alike before the process group
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
+
+
+def prepare_command(data_dir):
+    """How to make a size's default data folder, or None for a folder the user named."""
+    return {"data/demo": "python prepare_data.py --dataset=demo", "data/pile": "python prepare_data.py"}.get(
+        os.path.normpath(data_dir).replace(os.sep, "/"))
+
+
+def open_data(data_dir):
+    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
+    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        command = prepare_command(data_dir)
+        raise UserError(f"no prepared data in {data_dir} (meta.json missing): "
+                        + (f"run `{command}` first" if command else "pass the --out_dir prepare_data.py wrote"))
+    meta = load_meta(data_dir)
+    splits = {}
+    for split in ("train", "val"):
+        paths = shard_paths(data_dir, split)
+        if not paths:
+            raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
+        splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
+    if not os.path.isfile(os.path.join(data_dir, "counts.npy")):
+        raise UserError(f"{data_dir}/counts.npy is missing; run prepare_data.py again")
+    return meta, splits, np.load(os.path.join(data_dir, "counts.npy"))
+
+
+class Windows:
+    """Training sequences: windows of seq_len + 1 tokens starting every seq_len tokens inside each
+    shard (each token is a target at most once per pass). Window p of the run comes from a seeded
+    shuffle per epoch at two levels, the shards then each shard's windows: little memory for
+    billions of tokens, and window p is the same whatever the world size, so the data position
+    is just the number of windows consumed."""
+
+    def __init__(self, shards, seq_len, seed):
+        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+        self.sizes = np.array([(len(s) - 1) // seq_len for s in shards])
+        self.total = int(self.sizes.sum())
+        self.epoch, self.shard = None, None  # the shuffles in use; consecutive windows share them
+
+    def __getitem__(self, p):
+        epoch, q = divmod(p, self.total)
+        if self.epoch != epoch:
+            self.epoch, self.shard = epoch, None
+            self.shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+            self.ends = np.cumsum(self.sizes[self.shard_order])  # where each shard ends in the epoch
+        k = int(np.searchsorted(self.ends, q, side="right"))
+        if self.shard != k:
+            self.shard = k
+            shard = self.shard_order[k]
+            self.window_order = np.random.default_rng([self.seed, epoch, shard]).permutation(self.sizes[shard])
+        start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
+        return self.shards[self.shard_order[k]][start:start + self.seq_len + 1]
+
+
+def val_windows(shards, seq_len, n):
+    """The first n windows of the validation split, in order: the same tokens at every evaluation."""
+    windows = []
+    for s in shards:
+        windows += [s[i * seq_len:(i + 1) * seq_len + 1] for i in range((len(s) - 1) // seq_len)]
+    return windows[:n]
+
+
 def open_run(argv):
     """Every check that can refuse the run, in order, before anything is written; then the Run."""
     given = parse_args(argv)
@@ -212,11 +373,11 @@ def open_run(argv):
     if not loading and os.path.exists(path):
         raise UserError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
     device, rank, world = setup_device(config)
-    ckpt = load_checkpoint(path, ("model", "optimizer", "model_config", "train_config", "data_meta", "step",
-                                  "data_position", "rng_cpu")) if loading else None
+    ckpt = load_checkpoint(path, ("model", "optimizer", "model_config", "train_config", "data_meta",
+                                  "step")) if loading else None
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
-    meta, splits, counts = open_data(config)
+    meta, splits, counts = open_data(config.data_dir)
     model_cfg = model_config(config, meta)
     if ckpt is not None:
         check_checkpoint(ckpt, model_cfg, meta, path)
@@ -241,12 +402,10 @@ def open_run(argv):
             os.makedirs(config.out_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"--out_dir={config.out_dir}: cannot create it ({e.strerror})") from None
-    return Run(config=config, model_config=model_cfg, meta=meta, counts=counts, ckpt=ckpt, train=train, val=val,
+    return Run(config=config, model_config=model_cfg, meta=meta, counts=counts,
+               byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), train=train, val=val, ckpt=ckpt,
                device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
-               step_windows=config.batch_tokens // config.seq_len, max_steps=config.total_tokens // config.batch_tokens,
-               wandb=None, byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(),
-               # count 0, then as many decades (1-9, 10-99, ...) as the most frequent token needs
-               n_buckets=1 + len(str(max(1, int(counts.max())))))
+               step_windows=config.batch_tokens // config.seq_len, max_steps=config.total_tokens // config.batch_tokens)
 
 
 # ---------------------------------------------------------------------------- model and optimizer
@@ -279,7 +438,7 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
 
 def bf16_allreduce_hook(group, bucket):
     """DDP communication hook: average a bucket of float32 gradients as bf16, half the bytes on the
-    wire. (torch's own bf16 hook insists on NCCL; this one also runs under gloo, so it is tested.)"""
+    wire. Not torch's bf16_compress_hook: DDP refuses that one without NCCL, so no CPU test could run it."""
     group = group or dist.group.WORLD
     compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(
@@ -294,16 +453,12 @@ def build(run):
     # AdamW: weight decay on the backbone and head matrices only, a learning rate per kind of parameter
     run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, (config.beta1, config.beta2),
                                                        fused=cuda, lr_input=config.lr_input, lr_head=config.lr_head)
-    run.start_step = run.start_position = 0
     run.writer = CheckpointWriter()
     if run.ckpt is not None:
+        # No RNG state is restored: after the init above, no step draws a random number.
         run.raw_model.load_state_dict(run.ckpt["model"])
         run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
-        torch.set_rng_state(run.ckpt["rng_cpu"])
-        states = run.ckpt.get("rng_cuda")  # one per rank; on another number of GPUs rank r takes r mod their count
-        if cuda and states:
-            torch.cuda.set_rng_state(states[run.rank % len(states)])
-        run.start_step, run.start_position = run.ckpt["step"], run.ckpt["data_position"]
+        run.step = run.ckpt["step"]
         run.ckpt = None  # nothing else is needed: let the full state dict go
     bf16 = config.bf16 if config.bf16 is not None else cuda
     run.autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -318,7 +473,6 @@ def build(run):
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_allreduce_hook)
     run.peak_flops = peak_flops(torch.cuda.get_device_name(run.device)) if cuda else None
-    run.flops_per_token = run.raw_model.flops_per_token()
 
 
 def start_outputs(run):
@@ -331,14 +485,84 @@ def start_outputs(run):
     if not config.eval_only:
         write_json(os.path.join(config.out_dir, "config.json"), dict(train=asdict(config), model=asdict(model_cfg)))
         # a resumed run keeps its log up to the checkpoint; a new run starts a new log
-        keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.start_step)
+        keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
     if config.wandb_project:
         import wandb
         run.wandb = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None, resume="allow",
                                config=dict(train=asdict(config), model=asdict(model_cfg), params=counts))
 
 
-# ---------------------------------------------------------------------------- the loop
+def set_up(argv):
+    """The Run, built and with its outputs started; or None when set-up failed on any rank, after
+    one error line for the whole job (from the lowest rank that failed)."""
+    run, error = None, None
+    try:
+        run = open_run(argv)
+    except UserError as e:
+        error = e
+    lowest = failed_rank(error)
+    if lowest is not None:
+        if int(os.environ.get("RANK", 0)) == lowest:
+            print_error(error)
+        return None
+    build(run)
+    if run.rank == 0:
+        start_outputs(run)
+    return run
+
+
+# ---------------------------------------------------------------------------- main: set-up, the loop, shut-down
+
+
+def main(argv):
+    run = set_up(argv)
+    if run is None:
+        return shut_down(1)
+    config, code = run.config, 0
+    try:
+        if config.eval_only:
+            report_eval(run, evaluate(run))
+        elif run.step >= run.max_steps:
+            print(f"the run is complete ({run.step} steps); nothing to do")
+        else:
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, on_signal)
+            timer_start, steps_timed = time.time(), 0
+            while run.step < run.max_steps:
+                loss, grad_norm, preempted = train_step(run)  # preempted: a signal reached some rank
+                run.step, steps_timed = run.step + 1, steps_timed + 1
+                last, stop = run.step == run.max_steps, preempted or run.step == config.stop_step
+                if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
+                    log_step(run, loss, grad_norm, time.time() - timer_start, steps_timed)
+                    timer_start, steps_timed = time.time(), 0
+                if (run.step % config.eval_interval == 0 or last) and not preempted:  # a preemption saves first
+                    report_eval(run, evaluate(run))
+                    timer_start, steps_timed = time.time(), 0  # tokens/s counts training only
+                if run.step % config.ckpt_interval == 0 or last or stop:
+                    checkpoint(run, wait=last or stop)  # the last one must be on disk
+                    timer_start, steps_timed = time.time(), 0
+                if stop:
+                    why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
+                    if run.rank == 0:
+                        print(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
+                              "command plus --resume")
+                    code = 128 + STOP["signal"] if STOP["signal"] else 0
+                    break
+            else:
+                if run.rank == 0:
+                    print(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
+                          f"checkpoint {config.out_dir}/ckpt.pt")
+    except UserError as e:  # raised on every rank alike: the loss and the checkpoint's outcome are shared
+        if run.rank == 0:
+            print_error(e)
+        code = 1
+    finally:
+        if run.rank == 0:
+            run.writer.finish()  # a checkpoint still being written is completed
+    return shut_down(code)
+
+
+# ---------------------------------------------------------------------------- one step
 
 
 def lr_at(step, config, max_steps):
@@ -357,15 +581,15 @@ def to_batch(windows, device):
     return xy[:, :-1], xy[:, 1:]
 
 
-def train_step(run, step, position):
+def train_step(run):
     """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
     (r * accum + m) of the step's windows, so the batch is the same for any world size."""
     micro_batch = run.config.micro_batch
     for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
-        group["lr"] = lr_at(step, run.config, run.max_steps) * group["lr_scale"]
+        group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
-        first = position + (run.rank * run.accum + micro) * micro_batch
+        first = run.position + (run.rank * run.accum + micro) * micro_batch
         x, y = to_batch([run.train[p] for p in range(first, first + micro_batch)], run.device)
         last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
         with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
@@ -379,7 +603,7 @@ def train_step(run, step, position):
         dist.all_reduce(shared)
     loss, stop, grad_norm = shared[0].item() / run.world, shared[1].item() > 0, grad_norm.item()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {step + 1}: stopped without updating; "
+        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: stopped without updating; "
                         "the last good checkpoint is kept (try a lower --lr)")
     run.optimizer.step()
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay so, and
@@ -389,14 +613,15 @@ def train_step(run, step, position):
     return loss, grad_norm, stop
 
 
-def log_step(run, step, loss, grad_norm, seconds, steps_done):
-    tokens_per_s = steps_done * run.config.batch_tokens / seconds
+def log_step(run, loss, grad_norm, seconds, steps_done):
+    step, config = run.step, run.config
+    tokens_per_s = steps_done * config.batch_tokens / seconds
     eta = (run.max_steps - step) * seconds / steps_done
-    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, run.config, run.max_steps),
-                  grad_norm=grad_norm, tokens_seen=step * run.config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
+    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
+                  grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
     line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
     if run.peak_flops:
-        record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * run.world)
+        record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (run.peak_flops * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
     if run.device.type == "cuda":  # reserved: what the allocator holds, the figure that must fit the GPU
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
@@ -411,41 +636,6 @@ def log_record(run, record):
         f.write(json.dumps(record) + "\n")
     if run.wandb:
         run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
-
-
-def train(run):
-    """The loop: steps, with logs, evaluations and checkpoints at their intervals, until the last
-    step, --stop_step or a stop signal. Returns the exit status."""
-    config, step, position = run.config, run.start_step, run.start_position
-    if step >= run.max_steps:
-        print(f"the run is complete ({step} steps); nothing to do")
-        return 0
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, on_signal)
-    timer_start, steps_timed = time.time(), 0
-    while step < run.max_steps:
-        loss, grad_norm, preempted = train_step(run, step, position)  # preempted: a signal reached some rank
-        step, position, steps_timed = step + 1, position + run.step_windows, steps_timed + 1
-        stop = preempted or step == config.stop_step
-        if run.rank == 0 and (step % config.log_interval == 0 or step == run.max_steps or stop):
-            log_step(run, step, loss, grad_norm, time.time() - timer_start, steps_timed)
-            timer_start, steps_timed = time.time(), 0
-        if (step % config.eval_interval == 0 or step == run.max_steps) and not preempted:  # save first, fast
-            result = evaluate(run)
-            if run.rank == 0:
-                report_eval(result, step, run)
-            timer_start, steps_timed = time.time(), 0  # tokens/s counts training only
-        if step % config.ckpt_interval == 0 or step == run.max_steps or stop:
-            checkpoint(run, step, wait=step == run.max_steps or stop)  # the last one must be on disk
-            timer_start, steps_timed = time.time(), 0
-        if stop:
-            why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
-            if run.rank == 0:
-                print(f"stopped at step {step} ({why}); checkpoint saved: continue with the same command plus --resume")
-            return 128 + STOP["signal"] if STOP["signal"] else 0
-    if run.rank == 0:
-        print(f"done: {step} steps, {step * config.batch_tokens:,} tokens; checkpoint {config.out_dir}/ckpt.pt")
-    return 0
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -479,7 +669,11 @@ def evaluate(run):
                 eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
 
 
-def report_eval(result, step, run):
+def report_eval(run, result):
+    """Rank 0: print the result, write eval_step<N>.json and log it."""
+    if run.rank != 0:
+        return
+    step = run.step
     print(f"eval step {step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
           f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
     print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
@@ -491,50 +685,195 @@ def report_eval(result, step, run):
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
 
 
-# ---------------------------------------------------------------------------- main: set-up, loop, shut-down
+def bucket_sums(losses, target_counts, n_buckets):
+    """Per-token losses (nats) and each target's count in the training data -> summed nats and
+    tokens per bucket. Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j); n_buckets must
+    cover the largest count. Sums (not means) so that ranks can add theirs with one all_reduce."""
+    edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
+    bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
+    nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
+    return nats, np.bincount(bucket, minlength=n_buckets)
 
 
-def set_up(argv):
-    """The Run, built and with its outputs started; or None when set-up failed on any rank, after
-    one error line for the whole job (from the lowest rank that failed)."""
-    run, error = None, None
-    try:
-        run = open_run(argv)
-    except UserError as e:
-        error = e
-    lowest = failed_rank(error)
-    if lowest is not None:
-        if int(os.environ.get("RANK", 0)) == lowest:
-            print_error(error)
-        return None
-    build(run)
+def bucket_table(nats, tokens):
+    """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
+    target's training count; loss and ppl are None for an empty bucket."""
+    rows = []
+    for j, (n, t) in enumerate(zip(nats, tokens)):
+        loss = float(n / t) if t else None
+        rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
+                         ppl=math.exp(loss) if t else None))
+    return rows
+
+
+# ---------------------------------------------------------------------------- checkpoints
+#
+# ckpt.pt holds model, optimizer, model_config, train_config, data_meta, step and tokens_seen: all
+# a resume needs, on any number of GPUs (the data position is step * step_windows; no step draws a
+# random number, so no RNG state). Rank 0 writes it atomically in the background (sample.py reads it).
+
+
+def checkpoint(run, wait=False):
+    """Save the run at this step without stalling training: rank 0 copies the state to CPU memory
+    (a second or so at 1.2b) and a background thread writes it, fsynced and renamed into place
+    (atomic_write), while training goes on. One write at a time: the next checkpoint, or wait=True
+    (the last step, a preemption), first waits for the one in flight. A failed write (a full disk)
+    stops every rank alike, the moment rank 0 learns of it; the previous checkpoint is kept."""
+    agree_on_write(run)  # the previous write
     if run.rank == 0:
-        start_outputs(run)
-    return run
+        state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                     model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
+                     step=run.step, tokens_seen=run.step * run.config.batch_tokens)
+        run.writer.start(os.path.join(run.config.out_dir, "ckpt.pt"), run.writer.copy_to_cpu(state), run.step)
+    if wait:
+        agree_on_write(run)
 
 
-def loop(run):
-    """Train, or only evaluate with --eval_only; the exit status. A UserError here is raised on every
-    rank alike (the loss and the checkpoint's outcome are shared), and rank 0 reports it."""
-    try:
-        if not run.config.eval_only:
-            return train(run)
-        result = evaluate(run)
-        if run.rank == 0:
-            report_eval(result, run.start_step, run)
-        return 0
-    except UserError as e:
-        if run.rank == 0:
-            print_error(e)
-        return 1
-    finally:
-        if run.rank == 0:
-            run.writer.finish()  # a checkpoint still being written is completed
+def agree_on_write(run):
+    """Rank 0 waits for the write in flight; then every rank learns whether it failed."""
+    error = None
+    if run.rank == 0:
+        try:
+            run.writer.wait()
+        except UserError as e:
+            error = e
+    if run.world > 1:
+        saved = torch.tensor(float(error is None), device=run.device)
+        dist.broadcast(saved, 0)
+        if not saved.item() and error is None:
+            error = UserError("rank 0 could not write the checkpoint")
+    if error is not None:
+        raise error
 
 
-def main(argv):
-    run = set_up(argv)
-    return shut_down(1 if run is None else loop(run))
+def map_tensors(obj, fn):
+    """obj (dicts, lists and tuples of tensors and plain values) with fn applied to each tensor."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def memory_of(t):
+    """Where a tensor's values live: equal for two tensors that are views of the same values."""
+    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride()
+
+
+class CheckpointWriter:
+    """Rank 0's writer thread, and the CPU copy it writes from. On a GPU the copy lands in pinned
+    memory, allocated at the first checkpoint and reused: the device-to-host copy then runs at
+    full speed, and a 1.2b run holds one ~15 GB copy in host memory."""
+
+    def __init__(self):
+        self.thread, self.error, self.buffers = None, None, None
+
+    def copy_to_cpu(self, state):
+        """state with every tensor copied into the CPU buffers. Tensors that are one tensor (the tied
+        arm's table, which state_dict lists again as the head) get one copy, which torch.save then
+        writes once, as it would the originals."""
+        tensors = {}  # the distinct tensors, by where their values live
+        map_tensors(state, lambda t: tensors.setdefault(memory_of(t), t))
+        shapes = [(t.shape, t.dtype) for t in tensors.values()]
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        if self.buffers is None or [(b.shape, b.dtype) for b in self.buffers] != shapes:
+            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=on_gpu) for shape, dtype in shapes]
+        copies = dict(zip(tensors, self.buffers))
+        for key, t in tensors.items():
+            copies[key].copy_(t, non_blocking=True)
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies are complete before training changes the originals
+        return map_tensors(state, lambda t: copies[memory_of(t)])
+
+    def start(self, path, state, step):
+        self.thread = threading.Thread(target=self.write, args=(path, state, step))
+        self.thread.start()
+
+    def write(self, path, state, step):
+        start = time.time()
+        try:
+            atomic_write(path, lambda f: torch.save(state, f))
+        except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
+            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            self.error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
+            return
+        print(f"checkpoint: step {step}, {os.path.getsize(path) / 1e9:.2f} GB written in {time.time() - start:.1f} s "
+              "(training went on meanwhile)", flush=True)
+
+    def finish(self):
+        """At exit, after an error elsewhere: let a write in flight complete, keeping that error."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def wait(self):
+        """Until the write in flight is on disk; raises its error, if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+def check_checkpoint(ckpt, model_cfg, meta, path):
+    here, there = asdict(model_cfg), ckpt["model_config"]
+    if there != here:
+        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
+                if there.get(k) != here.get(k)]
+        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
+                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
+    same_tokenizer = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
+    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same_tokenizer):
+        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
+                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                        f"{meta.get('vocab_size')} ids)")
+
+
+def keep_log_until(path, step):
+    """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
+    if os.path.exists(path):  # a run killed mid-write leaves a partial last line: dropped too
+        lines = [line for line in open(path) if line.endswith("\n") and json.loads(line)["step"] <= step]
+        atomic_write(path, lambda f: f.writelines(lines), mode="w")
+
+
+# ---------------------------------------------------------------------------- preemption signals and shut-down
+
+
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
+# time limit. Both are a preemption: save and exit, with no evaluation in between.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP = {"signal": None}
+
+
+def on_signal(signum, frame):
+    # Only note it: the step in flight finishes and is checkpointed by train(). A second Ctrl-C
+    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
+    # Ctrl-C) is ignored so that the save can finish.
+    if STOP["signal"] is not None:
+        if signum == signal.SIGINT == STOP["signal"]:
+            raise SystemExit(128 + signum)
+        return
+    STOP["signal"] = signum
+    # os.write, not print: a signal that lands during a print would make print re-enter itself
+    os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n".encode())
+
+
+def shut_down(code):
+    """Leave the process group once every rank is done; the exit status passes through."""
+    if dist.is_initialized():
+        dist.barrier()  # every rank has finished (and rank 0 has written its checkpoint)
+        if dist.get_backend() == "gloo":
+            # Tearing down gloo can deadlock on the GIL while its threads release Python-owned
+            # tensors (pytorch#56297; observed in about 1 of 6 CPU runs, after all work was done), so
+            # a gloo rank leaves without the teardown: everything it wrote is already flushed.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        dist.destroy_process_group()
+    return code
+
 
 
 if __name__ == "__main__":

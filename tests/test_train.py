@@ -1,0 +1,499 @@
+"""train.py: the sizes, training, resuming, DDP, checkpoints, evaluation, bad input."""
+import dataclasses
+import errno
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import train
+from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, logged_losses, prepare_corpus,
+                      run_script, train_cli)
+from leviathan import EMBEDDINGS, Config, Model
+from prepare_data import UserError
+from test_leviathan import lev_param_formula
+
+
+def from_size(name, **overrides):
+    """The model of a size in train.SIZES, with some fields changed."""
+    return dataclasses.replace(train.SIZES[name].model, **overrides)
+
+
+def test_size_presets_match_the_paper():
+    nominal = {"200m": 200e6, "400m": 400e6, "1.2b": 1.2e9}
+    with torch.device("meta"):
+        for name, target in nominal.items():
+            tied = Model(from_size(name, embedding="tied")).param_counts()["total"]
+            assert abs(tied / target - 1) < 0.05, (name, tied)
+        lev = Model(from_size("1.2b")).param_counts()
+        tied = Model(from_size("1.2b", embedding="tied")).param_counts()
+    assert train.SIZES["1.2b"].model.d_model == 2048
+    assert lev["input"] == lev_param_formula(train.SIZES["1.2b"].model.vocab_size, 2048)
+    assert lev["total"] <= 1.0025 * tied["total"]  # the paper: ~0.2% larger
+    for preset in train.SIZES.values():
+        cfg = preset.model
+        assert cfg.ffn_dim % 128 == 0 and cfg.ffn_dim >= 8 * cfg.d_model / 3
+        assert set(preset.lr_scales) == set(EMBEDDINGS)
+
+
+def test_a_model_shape_that_leviathan_refuses_is_one_error_line(capsys):
+    assert train.main(["--size=tiny", "--lev_digits=40"]) == 1  # refused before any data is read
+    assert capsys.readouterr().err.startswith("error: --lev_digits=40: 8,192 ids have at most 13 digits")
+
+
+def test_an_unknown_size_is_one_error_line(capsys):
+    assert train.main(["--size=7b"]) == 1
+    assert capsys.readouterr().err.startswith("error: --size=7b: must be one of tiny, 200m, 400m, 1.2b")
+
+
+STEPS = 24  # the reference run, shared by the resume tests
+RUN = [f"--total_tokens={STEPS * 512}", "--eval_interval=1000", "--ckpt_interval=1000"]
+EXACT = [*RUN, "--deterministic"]  # run with env=THREADED: bit-identical reruns and resumes
+
+
+@pytest.fixture(scope="module")
+def reference_run(train_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    train_cli(train_data, out, *EXACT, env=THREADED)
+    return logged_losses(out)
+
+
+def test_loss_decreases_and_eval_is_written(train_data, tmp_path):
+    out = tmp_path / "run"
+    r = train_cli(train_data, out, "--total_tokens=30720", "--eval_interval=30", "--lr=1e-2", "--warmup_steps=10")
+    curve = logged_losses(out)
+    assert len(curve) == 60 and "MFU" not in r.stdout  # CPU: no MFU
+    first, last = curve[1][0], np.mean([curve[s][0] for s in range(56, 61)])
+    assert first == pytest.approx(math.log(512), abs=0.05)  # zero-initialised head: uniform prediction
+    assert last < first - 2.5, (first, last)
+    result = json.load(open(out / "eval_step60.json"))
+    assert result["val_loss"] < first - 2.5 and result["val_ppl"] == pytest.approx(math.exp(result["val_loss"]))
+    assert result["eval_tokens"] == 2048 and sum(b["tokens"] for b in result["buckets"]) == 2048
+    assert 0 < result["val_bpb"] < result["val_loss"] / math.log(2)  # tokens are >= 1 byte each
+    config = json.load(open(out / "config.json"))
+    assert config["train"]["d_model"] == config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 512
+
+
+@pytest.mark.parametrize("bf16_allreduce", [False, True])
+def test_two_process_ddp_matches_one_process_with_accumulation(train_data, tmp_path, bf16_allreduce):
+    # 1 process: 4 micro-steps of 8 sequences; 2 processes: 2 micro-steps each (DDP's no_sync
+    # path), gradients in DDP's buckets (gradient_as_bucket_view). Same global batch.
+    batch = ["--total_tokens=8192", "--batch_tokens=1024"]
+    flags = ["--bf16_allreduce"] if bf16_allreduce else []
+    train_cli(train_data, tmp_path / "one", *batch)
+    r = train_cli(train_data, tmp_path / "two", *batch, *flags, nproc=2)
+    assert "2 x cpu, 2 micro-steps" in r.stdout
+    one, two = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
+    assert len(one) == len(two) == 8
+    # bf16 gradients: 8 bits of mantissa in the all-reduce move the later losses a little (8e-5 seen)
+    tolerance = 1e-3 if bf16_allreduce else 1e-5
+    for step in one:
+        assert two[step][0] == pytest.approx(one[step][0], abs=tolerance), step
+    largest_difference = max(abs(two[step][0] - one[step][0]) for step in one)
+    assert (largest_difference > 1e-5) == bf16_allreduce  # the bf16 hook really is in use
+    ev1 = json.load(open(tmp_path / "one" / "eval_step8.json"))
+    ev2 = json.load(open(tmp_path / "two" / "eval_step8.json"))  # eval split over 2 ranks, reduced
+    assert ev2["eval_tokens"] == ev1["eval_tokens"]
+    assert ev2["val_loss"] == pytest.approx(ev1["val_loss"], abs=tolerance)
+
+
+# Run by torchrun in 2 gloo processes: train.py's own set-up (compile, then DDP) and two optimizer
+# steps of 2 micro-steps each, reporting what DDP and the compiler did.
+DDP_PROBE = """
+import functools, json, os, sys, torch
+from torch._dynamo.utils import counters
+import leviathan, train
+# a quick compiler: the graph split under test is TorchDynamo's DDP optimizer's, whatever the backend
+leviathan.Model.compile = functools.partialmethod(leviathan.Model.compile, backend="aot_eager")
+train.DDP = functools.partial(train.DDP, bucket_cap_mb=1)  # the smallest the DDP optimizer takes: 1 MB
+run = train.set_up(sys.argv[1:])
+for run.step in range(2):  # DDP makes the gradients views into its buckets at the second forward
+    train.train_step(run)
+params = [p for p in run.raw_model.parameters() if p.requires_grad]
+buckets = [None if p.grad is None else p.grad.untyped_storage().data_ptr() for p in params]
+seen = []  # whether each accumulation of the third step, micro-steps included, lands in a bucket
+for i, p in enumerate(params):
+    p.register_post_accumulate_grad_hook(lambda p, i=i: seen.append(p.grad.untyped_storage().data_ptr() == buckets[i]))
+run.step = 2
+train.train_step(run)
+report = dict(graphs=counters["aot_autograd"]["total"], params=len(params), buckets=len(set(buckets)),
+              accumulations=len(seen), in_buckets=sum(seen), buffer_sync=run.model.will_sync_module_buffers())
+with open(os.path.join(run.config.out_dir, f"probe{run.rank}.json"), "w") as f:
+    json.dump(report, f)
+train.shut_down(0)
+"""
+
+
+def test_ddp_splits_the_compiled_graph_and_accumulates_in_its_buckets(train_data, tmp_path):
+    """Compiled in place and then wrapped (build's order), the model's first forward runs inside
+    DDP's, so TorchDynamo splits its graph at DDP's buckets and each bucket's all-reduce can start
+    during the backward: more than one graph. Under accumulation the gradients stay views into
+    DDP's buckets, so no micro-step makes a second copy of them; and the rotary tables, the same on
+    every rank, are not re-sent at each step."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(DDP_PROBE)
+    r = run_script(probe, f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS,
+                   "--embedding=tied", "--d_model=128", "--n_layer=2", "--compile", "--batch_tokens=1024",
+                   "--total_tokens=4096",  # 2.0 MB of weights: 2 buckets or more
+                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in range(2):
+        report = json.loads((tmp_path / "run" / f"probe{rank}.json").read_text())
+        assert report["params"] == 14 and 1 < report["buckets"] < 14, report  # gradients are bucket views
+        assert report["graphs"] == report["buckets"], report  # one graph per bucket (the DDP optimizer's split)
+        assert report["accumulations"] == 2 * 14 and report["in_buckets"] == 2 * 14, report  # 2 micro-steps
+        assert not report["buffer_sync"], report
+
+
+def test_compiled_bf16_training_on_cpu_and_eager_resume(train_data, tmp_path, reference_run):
+    """The CUDA code path (inductor-compiled model and LEV generator, bf16 autocast, the chunked
+    loss under autocast) run on the CPU; its checkpoint then resumes in eager float32."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, *RUN, "--compile", "--bf16", "--stop_step=3")
+    compiled = logged_losses(out)
+    assert compiled[1][0] == pytest.approx(math.log(512), abs=0.05)  # zero-initialised head
+    for step in (1, 2, 3):  # bf16 rounding only: the same training as the float32 run
+        assert compiled[step][0] == pytest.approx(reference_run[step][0], abs=0.03), step
+    train_cli(train_data, out, *RUN, "--resume")
+    resumed = logged_losses(out)
+    assert len(resumed) == STEPS and resumed[STEPS][0] == pytest.approx(reference_run[STEPS][0], abs=0.05)
+
+
+def test_deterministic_resume_reproduces_the_uninterrupted_run_exactly(train_data, tmp_path, reference_run):
+    out = tmp_path / "run"
+    r = train_cli(train_data, out, *EXACT, "--stop_step=10", env=THREADED)
+    assert "stopped at step 10" in r.stdout and max(logged_losses(out)) == 10
+    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert logged_losses(out) == reference_run  # every step's loss and lr, bit for bit
+
+
+def test_resume_without_deterministic_agrees_within_tolerance(train_data, tmp_path, reference_run):
+    """The README's promise without --deterministic: a rerun or resume on the same machine agrees
+    with the uninterrupted run to 1e-4 in every logged loss (kernels may sum in another order)."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, *RUN, "--stop_step=10", env=THREADED)
+    train_cli(train_data, out, *RUN, "--resume", env=THREADED)
+    resumed = logged_losses(out)
+    assert resumed.keys() == reference_run.keys()
+    for step, (loss, lr) in reference_run.items():
+        assert resumed[step][0] == pytest.approx(loss, abs=1e-4) and resumed[step][1] == lr, step
+
+
+# A storage location this machine does not have, as a GPU's checkpoint is on a CPU-only machine
+# (or cuda:0's on the rank that owns cuda:1). Tagged only while SAVED_ELSEWHERE is set.
+SAVED_ELSEWHERE = {"on": False}
+
+
+def _no_such_device(storage, location):
+    if location == "elsewhere":
+        raise RuntimeError("this checkpoint was saved on a device this machine does not have")
+
+
+torch.serialization.register_package(0, lambda storage: "elsewhere" if SAVED_ELSEWHERE["on"] else None, _no_such_device)
+
+
+def test_checkpoint_saved_on_another_device_resumes_exactly(train_data, tmp_path, reference_run):
+    out = tmp_path / "run"
+    train_cli(train_data, out, *EXACT, "--stop_step=10", env=THREADED)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    SAVED_ELSEWHERE["on"] = True
+    try:
+        torch.save(ckpt, out / "ckpt.pt")
+    finally:
+        SAVED_ELSEWHERE["on"] = False
+    with pytest.raises(RuntimeError, match="does not have"):  # what loading it where it was saved does
+        torch.load(out / "ckpt.pt", weights_only=True)
+    loaded = sample.load_checkpoint(str(out / "ckpt.pt"))
+    assert all(t.device.type == "cpu" for t in loaded["model"].values())
+    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert logged_losses(out) == reference_run
+
+
+def test_a_set_up_error_on_one_rank_stops_every_rank(train_data, tmp_path):
+    """Rank 1 cannot find its data after the process group is up; without agreeing on set-up,
+    rank 0 would wait for it inside DDP's first broadcast until the process-group timeout."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, data_dir in enumerate([train_data, tmp_path / "missing"]):
+        env = {**SCRIPT_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS]
+        procs.append(subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    assert results[0][1] == ""  # one error line for the job, from the rank that failed
+    assert results[1][1].startswith("error: no prepared data") and len(results[1][1].splitlines()) == 1
+    assert not list((tmp_path / "o").glob("*"))  # rank 0 may have made the folder, and wrote nothing
+
+
+# A full disk as torch.save reports it: an OSError from the file, or a RuntimeError from its zip writer.
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter "
+                                                "failed writing file data/0: file write failed")])
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(train_data, tmp_path, monkeypatch, error):
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN])
+    train.build(run)
+    run.step = 1
+    train.checkpoint(run, wait=True)
+    good = (tmp_path / "run" / "ckpt.pt").read_bytes()
+
+    def save_until_the_disk_is_full(obj, f):
+        f.write(b"half a checkpoint")
+        raise error
+    monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+    run.step = 2
+    train.checkpoint(run)  # written in the background: the error comes when the write is waited for
+    run.step = 3
+    reason = "No space left on device" if isinstance(error, OSError) else "file write failed"
+    with pytest.raises(UserError, match=f"{reason}.*previous checkpoint is kept"):
+        train.checkpoint(run)
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good and not (tmp_path / "run" / "ckpt.pt.tmp").exists()
+
+
+def test_a_tied_checkpoint_holds_its_table_once(train_data, tmp_path):
+    """The tied table is also the head: the CPU copy a checkpoint is written from keeps the two one
+    tensor, so the file holds it once, as torch.save of the model's own state_dict does."""
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN,
+                          "--embedding=tied"])
+    train.build(run)
+    run.step = 1
+    train.checkpoint(run, wait=True)
+    model = sample.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["model"]
+    assert model["head.weight"].untyped_storage().data_ptr() == model["embed.weight"].untyped_storage().data_ptr()
+
+
+def test_training_goes_on_while_a_checkpoint_is_written(train_data, tmp_path, monkeypatch):
+    """checkpoint() returns once the state is copied: the next step runs while the file is being
+    written, and the file holds the state of the checkpoint's step, not what training made of it."""
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN])
+    train.build(run)
+    release, real_save = threading.Event(), torch.save
+
+    def held_back_save(obj, f):
+        release.wait(60)
+        real_save(obj, f)
+    monkeypatch.setattr(torch, "save", held_back_save)
+    at_step_1 = {k: v.clone() for k, v in run.raw_model.state_dict().items()}
+    run.step = 1
+    train.checkpoint(run)
+    train.train_step(run)  # runs while the write is held back
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+    release.set()
+    train.agree_on_write(run)  # until the write is on disk
+    saved = sample.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))
+    assert saved["step"] == 1 and all(torch.equal(saved["model"][k], v) for k, v in at_step_1.items())
+    assert not all(torch.equal(at_step_1[k], v) for k, v in run.raw_model.state_dict().items())  # it did train
+
+
+def test_a_log_line_cut_by_a_kill_is_dropped_on_resume(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"type": "train", "step": 1}\n{"type": "train", "step": 2}\n{"type": "tr')
+    train.keep_log_until(str(log), 2)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+
+
+def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=1024", "--embedding=tied")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt.keys() == {"model", "optimizer", "model_config", "train_config", "step", "tokens_seen", "data_meta"}
+    assert ckpt["step"] == 2 and ckpt["tokens_seen"] == 1024
+    model = Model(Config(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])  # the uncompiled model's keys
+    assert ckpt["data_meta"] == json.load(open(train_data / "meta.json"))
+    assert not os.path.exists(out / "ckpt.pt.tmp")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: SLURM's --signal
+def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run, signum):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, stdout + stderr
+    assert signal.Signals(signum).name in stdout and "Traceback" not in stderr
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 1 <= step < STEPS and max(logged_losses(out)) == step
+    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert logged_losses(out) == reference_run
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_path):
+    out = tmp_path / "run"
+    r = train_cli(train_data, out, "--total_tokens=5120", "--lr=1e30", "--warmup_steps=1", "--ckpt_interval=1", "--embedding=untied",
+            check=False)
+    assert r.returncode == 1 and "non-finite loss" in r.stderr and "Traceback" not in r.stderr
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert step == max(logged_losses(out)) < 10
+
+
+def test_every_training_window_once_per_epoch():
+    shards = [np.arange(start, start + n) for start, n in [(0, 41), (1000, 10), (2000, 33), (3000, 5)]]
+    windows = train.Windows(shards, seq_len=4, seed=7)
+    assert windows.total == 10 + 2 + 8 + 1  # (n - 1) // seq_len windows per shard
+    expected = sorted((s[0] // 1000, i) for s in shards for i in range(0, (len(s) - 1) // 4 * 4, 4))
+    epochs = []
+    for epoch in range(2):
+        got = [windows[epoch * windows.total + p] for p in range(windows.total)]
+        assert all(len(w) == 5 and np.array_equal(w, np.arange(w[0], w[0] + 5)) for w in got)
+        assert sorted((w[0] // 1000, w[0] % 1000) for w in got) == expected
+        epochs.append([int(w[0]) for w in got])
+    assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # shuffled, anew each epoch
+    again = train.Windows(shards, seq_len=4, seed=7)
+    assert [int(again[p][0]) for p in range(windows.total)] == epochs[0]  # deterministic
+
+
+def frequency_table(losses, target_counts, n_buckets):
+    """Validation perplexity per bucket of the target's training count, as train.evaluate builds it."""
+    return train.bucket_table(*train.bucket_sums(losses, target_counts, n_buckets))
+
+
+def test_frequency_table_matches_hand_computed_buckets():
+    losses_ = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.5]
+    counts = [0, 1, 9, 10, 999, 0, 1000]
+    rows = frequency_table(losses_, counts, 5)
+    assert [r["counts"] for r in rows] == ["0", "1-9", "10-99", "100-999", "1000-9999"]
+    assert [r["tokens"] for r in rows] == [2, 2, 1, 1, 1]
+    # bucket 0: (1 + 6) / 2; 1-9: (2 + 3) / 2; 10-99: 4; 100-999: 5; 1000-9999: 0.5
+    assert [r["loss"] for r in rows] == pytest.approx([3.5, 2.5, 4.0, 5.0, 0.5])
+    assert [r["ppl"] for r in rows] == pytest.approx([math.exp(x) for x in (3.5, 2.5, 4.0, 5.0, 0.5)])
+    empty = frequency_table([2.0], [0], 3)
+    assert empty[1]["tokens"] == 0 and empty[1]["loss"] is None and empty[2]["ppl"] is None
+    # sums from two halves add up to the whole: what the all_reduce over ranks relies on
+    a, b = train.bucket_sums(losses_[:3], counts[:3], 5), train.bucket_sums(losses_[3:], counts[3:], 5)
+    assert train.bucket_table(a[0] + b[0], a[1] + b[1]) == rows
+
+
+def test_an_uneven_last_eval_batch_is_padded_to_the_same_shape(train_data, tmp_path):
+    """10 validation windows in batches of 8: the last 2 are padded to 8 (a compiled model would
+    otherwise compile again for the new shape), and the padding's losses are not counted."""
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN,
+                          "--eval_tokens=320"])
+    train.build(run)
+    shapes, forward = [], run.raw_model.forward
+    run.raw_model.forward = lambda x, y, **kw: shapes.append(tuple(x.shape)) or forward(x, y, **kw)
+    result = train.evaluate(run)
+    assert shapes == [(8, 32), (8, 32)] and result["eval_tokens"] == 10 * 32
+    x, y = train.to_batch(run.val, run.device)
+    with torch.no_grad():
+        assert result["val_loss"] == pytest.approx(forward(x, y).item(), abs=1e-5)
+
+
+def test_peak_flops_match_whole_words_of_the_device_name():
+    assert train.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert train.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert train.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert train.peak_flops("NVIDIA GB200") == 2500e12  # not a B200
+    assert train.peak_flops("NVIDIA A10G") is None  # not an A10: no MFU rather than a wrong one
+    assert train.peak_flops("Tesla V100-SXM2-16GB") is None
+
+
+def test_missing_data_names_the_prepare_command(tmp_path):
+    """A size's own data folder missing: the command that makes it. Another folder: where to look."""
+    for args, phrase in [(["--size=tiny"], "run `python prepare_data.py --dataset=demo` first"),
+                         (["--size=200m"], "run `python prepare_data.py` first"),
+                         ([f"--data_dir={tmp_path / 'nowhere'}"], "pass the --out_dir prepare_data.py wrote")]:
+        r = run_script("train.py", *args, f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
+        assert_one_error_line(r.returncode, r.stderr, phrase)
+        assert not (tmp_path / "o").exists()
+
+
+# One out-of-range value for every TrainConfig field ({missing} and {file}: filled in by the test).
+BAD_TRAIN_OPTIONS = {
+    "size": "3b", "embedding": "sparse", "data_dir": "{missing}", "out_dir": "{file}/run",
+    "d_model": "30", "n_layer": "0", "n_head": "0", "seq_len": "0", "rope_theta": "-1", "lev_digits": "0",
+    "lev_seed_dim": "1", "lev_heads": "0", "lev_knots": "1", "lev_rank": "0", "lev_sigmoid_scale": "0",
+    "total_tokens": "0",
+    "batch_tokens": "0", "micro_batch": "0", "lr": "0", "lr_input": "-1", "lr_head": "nan", "warmup_steps": "-1",
+    "min_lr_frac": "2", "weight_decay": "-1", "beta1": "1", "beta2": "2", "grad_clip": "0", "seed": "-1",
+    "eval_interval": "0", "eval_tokens": "0", "log_interval": "0", "ckpt_interval": "0", "eval_only": "maybe",
+    "resume": "maybe", "stop_step": "-1", "device": "tpu", "compile": "maybe", "bf16": "maybe",
+    "bf16_allreduce": "maybe", "deterministic": "maybe", "wandb_project": "x", "wandb_run_name": "x",
+}
+
+
+def test_every_train_option_out_of_range_is_one_error_line(train_data, tmp_path, capsys):
+    assert set(BAD_TRAIN_OPTIONS) == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    (tmp_path / "file").write_text("")
+    good = {arg.split("=")[0][2:]: arg for arg in TRAIN_ARGS}
+    for name, value in BAD_TRAIN_OPTIONS.items():
+        if name == "wandb_project" and importlib.util.find_spec("wandb"):
+            continue  # only an error where wandb is missing
+        value = value.format(missing=tmp_path / "missing", file=tmp_path / "file")
+        options = {**good, "data_dir": f"--data_dir={train_data}", "out_dir": f"--out_dir={tmp_path / 'o'}",
+                   name: f"--{name}={value}"}
+        code = train.main(list(options.values()))
+        err = capsys.readouterr().err
+        assert_one_error_line(code, err)
+        assert f"--{name}" in err or value in err, (name, err)
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_bad_options_are_one_line_errors(train_data, tmp_path):
+    out = tmp_path / "o"
+    for args, phrases in [(["--size=3b"], ["--size=3b", "tiny"]),
+                          (["--colour=red"], ["unrecognized arguments: --colour=red", "python train.py --help"]),
+                          (["--lr=fast"], ["--lr", "expected float, got 'fast'"]),
+                          (["--embedding=sparse"], ["lev, tied, untied"]),
+                          (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
+                          (["--embedding=tied", "--lr_head=10"], ["--lr_head", "--lr_input"]),
+                          (["--lr_input=0"], ["--lr_input", "> 0"])]:
+        r = train_cli(train_data, out, *args, check=False)
+        assert_one_error_line(r.returncode, r.stderr, *phrases)
+    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env={"SLURM_NTASKS": "4"})
+    assert_one_error_line(r.returncode, r.stderr, "without torchrun", "srun torchrun")
+    assert not out.exists()
+
+
+def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
+    r = train_cli(train_data, tmp_path / "o", "--batch_tokens=256", nproc=2, check=False)  # 256 = 1 x 8 x 32 only
+    assert r.returncode != 0
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        "error: batch_tokens=256 does not divide over world size 2 x micro_batch 8 x seq_len 32 = 512; "
+        "use a multiple of it"]
+
+
+def test_shard_from_another_tokenizer(train_data, tmp_path):
+    bad = tmp_path / "data"
+    shutil.copytree(train_data, bad)
+    meta = json.load(open(bad / "meta.json"))
+    json.dump({**meta, "vocab_size": 1024}, open(bad / "meta.json", "w"))
+    r = train_cli(bad, tmp_path / "o", check=False)
+    assert_one_error_line(r.returncode, r.stderr, "another tokenizer")
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path):
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=1024")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    other = prepare_corpus(tmp_path, "other", 700)  # another tokenizer: 700 ids, padded to 768
+    for data_dir, args, phrases in [(train_data, [], ["exists", "--resume"]),
+                                (train_data, ["--resume", "--d_model=64"], ["different config", "d_model=32 there, 64 here"]),
+                                (other, ["--resume"], ["vocab_size=512 there, 768 here"])]:
+        r = train_cli(data_dir, out, "--total_tokens=1024", *args, check=False)
+        assert_one_error_line(r.returncode, r.stderr, *phrases)
+    r = train_cli(train_data, tmp_path / "none", "--resume", check=False)
+    assert_one_error_line(r.returncode, r.stderr, "no checkpoint")
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+
+
