@@ -785,13 +785,14 @@ FUSE_MIN_FLOATS = 1 << 20  # floats of phi below which a call runs eagerly (1. a
 # CppCompileError; a Triton compile error), in newer torch as its subclass InductorError;
 # ShortenTraceback, their base in newer torch, which also carries TritonMissing and
 # GPUTooOldForTriton (an unsupported GPU) unwrapped; Unsupported and InternalTorchDynamoError,
-# dynamo refusing or failing to trace fn. By name, as an older torch lacks some (torch._dynamo is
-# loaded: torch.compiler.disable above). Not caught: what the kernel raises as it runs (out of
+# dynamo refusing or failing to trace fn; FailOnRecompileLimitHit, the recompile limit hit under
+# fullgraph=True (torch 2.4 raised Unsupported there). By name, as an older torch lacks some
+# (torch._dynamo is loaded: torch.compiler.disable above). Not caught: what the kernel raises as it runs (out of
 # memory, an index out of bounds, a device-side assert, a Triton launch error), a fault to see,
 # not a reason to run LEV ~6x slower from then on.
 COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
-                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError")
-                         if hasattr(torch._dynamo.exc, name))
+                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError",
+                          "FailOnRecompileLimitHit") if hasattr(torch._dynamo.exc, name))
 
 
 class Fused:

@@ -360,6 +360,21 @@ def test_fused_kernels_fall_back_to_eager_when_compiling_fails(tmp_path):
     assert r.stdout.count("\n") == 1 and "/nonexistent/g++" in r.stdout, r.stdout
 
 
+def test_fused_kernels_fall_back_to_eager_when_the_recompile_limit_is_hit(monkeypatch, capsys):
+    """Under fullgraph=True, torch raises once a kernel has recompiled recompile_limit times: that
+    is a failure of compiling (the kernel runs eagerly, one warning line), not the kernel's error."""
+    def double(x):
+        return x * 2
+    monkeypatch.setattr(leviathan.Fused, "warned", False)
+    kernel = leviathan.Fused(double)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{limit: 1}):
+        for dtype in (torch.float32, torch.float64, torch.int64):  # a new dtype: a recompile
+            assert torch.equal(kernel(torch.ones(3, dtype=dtype)), torch.full((3,), 2, dtype=dtype))
+    assert kernel.compiled is None
+    assert "warning: LEV runs eagerly" in capsys.readouterr().out
+
+
 def test_fused_kernels_raise_what_the_compiled_kernel_raises(monkeypatch, capsys):
     """An error of the compiled kernel as it runs is no failure of compiling: it propagates as
     raised, and the kernel stays compiled. Inductor's C++ checks every indirect index as it runs;
