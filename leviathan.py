@@ -393,6 +393,9 @@ def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the
 def save_gradients(ctx, inputs, output):
     ctx.weight_dtype = inputs[1].dtype
     ctx.save_for_backward(*output[1:])
+    # The gradient outputs are never used downstream: without this, autograd would hand backward a
+    # float32 [V, D] of zeros for them at every step.
+    ctx.set_materialize_grads(False)
 
 
 def scale_gradients(ctx, grad_loss, *_):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import leviathan
 from leviathan import (EMBEDDINGS, LEV, Config, Model, SeparableProduct, bspline_nonzero, generate, lev_base, sample_next,
@@ -584,6 +585,30 @@ def test_chunked_loss_equals_full_cross_entropy(embedding, monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the CUDA path's dtype, run on the CPU
         bf16_loss = model(idx, targets)
     assert bf16_loss.dtype == torch.float32 and abs(bf16_loss.item() - reference.item()) < 0.02
+
+
+class ShapeCensus(TorchDispatchMode):
+    """The ops that make a tensor of one shape, by name."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.ops = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+            self.ops.append(func.__name__)
+        return out
+
+
+def test_the_loss_backward_makes_no_zeros_for_its_unused_outputs():
+    """Backward only scales the gradients forward made: it must not be handed a [V, D] of zeros for
+    the op's gradient outputs, which nothing downstream uses."""
+    x, w = torch.randn(64, 16, requires_grad=True), torch.randn(1000, 16, requires_grad=True)
+    loss = leviathan.linear_cross_entropy(x, w, torch.randint(0, 1000, (64,)))
+    with ShapeCensus(w.shape) as census:
+        loss.backward()
+    assert not [op for op in census.ops if op.startswith(("zeros", "full", "fill"))], census.ops
 
 
 def test_compiler_sees_the_loss_as_one_opaque_call(monkeypatch):
