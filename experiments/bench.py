@@ -1,10 +1,10 @@
 """Benchmarks that print figures, and the GPU acceptance test.
 
-    python bench.py              # every section but gpu
-    python bench.py model        # lev vs tied vs untied step time and peak memory
-    python bench.py model --compile
-    python bench.py memory       # the README's memory table: what the compiled graph saves, at each paper size
-    python bench.py gpu          # the acceptance test on a CUDA GPU: PASS or FAIL, exit status 1 on FAIL
+    python -m experiments.bench          # every section but gpu
+    python -m experiments.bench model    # lev vs tied vs untied step time and peak memory
+    python -m experiments.bench model --compile
+    python -m experiments.bench memory   # the README's memory table: what the compiled graph saves, at each paper size
+    python -m experiments.bench gpu      # the acceptance test on a CUDA GPU: PASS or FAIL, exit status 1 on FAIL
 
 Ratios are what to compare: each is measured within one run, the arms interleaved
 step by step so that a machine slowing down affects all of them alike. No test depends
@@ -29,10 +29,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cli import ArgumentParser, UserError, run_main
-from data import demo_documents, get_tokenizer, load_meta, log_records, write_json
-from lev_fast import Fused, compile_lev
-from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, SIZES, Config, Model, generate, linear_cross_entropy, padded_vocab
+from experiments import runs
+from leviathan import (EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Fused, Model, compile_lev, generate,
+                       linear_cross_entropy, padded_vocab)
+from prepare_data import ArgumentParser, UserError, demo_documents, get_tokenizer, load_meta, run_main, write_json
+from train import SIZES
+
+PREPARE_DATA = os.path.join(runs.ROOT, "prepare_data.py")
+
+
+def size_model(size, **overrides):
+    """The model of a size in train.SIZES, with some fields changed."""
+    return dataclasses.replace(SIZES[size].model, **overrides)
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -130,12 +138,12 @@ def bench_arms(title, cfg, batch, device, compile_model, repeats):
 
 def bench_model(args, device):
     o200k = get_tokenizer("o200k_base")
-    cpu_sized = Config.from_size("tiny", vocab_size=padded_vocab(o200k.n_vocab),
-                                 lev_heads=8, lev_rank=64)  # the paper's LEV, full vocabulary
+    cpu_sized = size_model("tiny", vocab_size=padded_vocab(o200k.n_vocab),
+                           lev_heads=8, lev_rank=64)  # the paper's LEV, full vocabulary
     bench_arms("o200k, CPU-sized backbone, paper LEV", cpu_sized,
                real_token_batch(o200k, 8, cpu_sized.seq_len), device, args.compile, args.repeats)
     demo = get_tokenizer("o200k_base", vocab_size=8192)
-    tiny = Config.from_size("tiny")
+    tiny = size_model("tiny")
     bench_arms("tiny preset (demo vocabulary)", tiny, real_token_batch(demo, 16, tiny.seq_len),
                device, args.compile, args.repeats)
     bench_lev_alone(cpu_sized, real_token_batch(o200k, 8, cpu_sized.seq_len)[:, :-1].unique(), device, args.repeats)
@@ -205,7 +213,7 @@ def bench_data(args, device):
         encoded = tokenizer.enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())
         rates["tiktoken"].append((sum(map(len, encoded)) + len(docs)) / (time.perf_counter() - start))
         with tempfile.TemporaryDirectory() as out_dir:
-            result = subprocess.run([sys.executable, "prepare_data.py", "--dataset=demo", f"--out_dir={out_dir}"],
+            result = subprocess.run([sys.executable, PREPARE_DATA, "--dataset=demo", f"--out_dir={out_dir}"],
                                     check=True, capture_output=True, text=True)
         splits = [(int(tokens.replace(",", "")), int(rate.replace(",", ""))) for tokens, rate in
                   re.findall(r"^\w+: [\d,]+ documents, ([\d,]+) tokens, ([\d,]+) tokens/s$", result.stdout, re.M)]
@@ -221,7 +229,7 @@ def bench_sample(args, device):
     """Generation with and without the KV cache at a 512-token context, and the one-off
     cost of freezing LEV into a table for the full o200k vocabulary at the paper's D."""
     torch.manual_seed(0)
-    model = Model(Config.from_size("tiny", seq_len=1024)).to(device).eval()
+    model = Model(size_model("tiny", seq_len=1024)).to(device).eval()
     torch.nn.init.normal_(model.head.weight, std=0.02)  # the zero-init head would give a constant
     model.freeze_lev()
     prompt = torch.randint(0, model.cfg.vocab_size, (512,)).tolist()
@@ -253,12 +261,15 @@ def bench_train(args, device):
     tiny_batch_tokens = SIZES["tiny"].batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, embedding in itertools.product(range(args.repeats), EMBEDDINGS):
-            out_dir = os.path.join(tmp, f"{embedding}{repeat}")
-            subprocess.run([sys.executable, "train.py", "--size=tiny", "--dataset=demo", f"--device={device.type}",
-                            f"--embedding={embedding}", f"--total_tokens={steps * tiny_batch_tokens}", "--eval_interval=1000",
-                            f"--out_dir={out_dir}"], check=True, capture_output=True)
+            out_dir, output = os.path.join(tmp, f"{embedding}{repeat}"), os.path.join(tmp, f"{embedding}{repeat}.txt")
+            code, _ = runs.wait(runs.start(["--size=tiny", "--data_dir=data/demo", f"--device={device.type}",
+                                            f"--embedding={embedding}", f"--total_tokens={steps * tiny_batch_tokens}",
+                                            "--eval_interval=1000", f"--out_dir={out_dir}"], output=output))
+            if code:
+                with open(output) as f:
+                    raise UserError(f"train.py failed (exit status {code}): {error_line(f.read())}")
             # the first log interval includes start-up; the rest is steady-state training
-            rates[embedding] += [r["tokens_per_s"] for r in log_records(out_dir, "train") if r["step"] > 10]
+            rates[embedding] += [r["tokens_per_s"] for r in runs.log_records(out_dir, "train") if r["step"] > 10]
     print(f"\ntraining loop, tiny preset on the demo corpus, {device.type} ({args.repeats} interleaved runs of {steps} steps)")
     base = statistics.median(rates["tied"])
     for embedding in EMBEDDINGS:
@@ -297,7 +308,7 @@ def bench_loss(args, device):
 
 # ---------------------------------------------------------------------------- gpu: the acceptance test
 #
-# `python bench.py gpu` runs train.py as a user does (torch.compile, bf16 autocast, fused AdamW, each
+# `python -m experiments.bench gpu` runs train.py as a user does (torch.compile, bf16 autocast, fused AdamW, each
 # size's micro-batch of 16 x 512) on the demo corpus with the full o200k vocabulary, and passes or fails:
 #   200m with --deterministic, 4 micro-batches (32,768 tokens) a step: a run of 10 steps and, beside it,
 #     one stopped at step 5 and then resumed (the resume check); with 2+ GPUs the 10 steps also on 2 GPUs
@@ -386,11 +397,11 @@ def bench_memory(args, device):
         for name, value in parts.items():
             print(f"  {name:<64}{value / 1e9:6.2f}")
         print(f"  {'total (DDP adds nothing: the gradients are its buckets)':<64}{sum(parts.values()) / 1e9:6.2f}"
-              f"   (README and bench.py gpu: {MEMORY_ESTIMATE_GB[size][0]})", flush=True)
+              f"   (README and experiments.bench gpu: {MEMORY_ESTIMATE_GB[size][0]})", flush=True)
 
 
 # The README's memory estimates ("Memory and time"), GB per GPU at micro-batch 16 x 512: (one GPU,
-# with DDP), `python bench.py memory` rounded up. The README's table must say the same
+# with DDP), `python -m experiments.bench memory` rounded up. The README's table must say the same
 # (test_bench_gpu_memory_estimates_match_the_readme).
 MEMORY_ESTIMATE_GB = {"200m": (9, 9), "400m": (16, 16), "1.2b": (38, 38)}  # DDP: gradients are bucket views
 
@@ -437,7 +448,8 @@ RUN_TIMEOUT_S = 900  # a train.py run still going after 15 minutes has hung (a c
 def check_gpu_options(args, device):
     """Refuse at once, before any section runs, what would make `gpu` fail late or delete files."""
     if device.type != "cuda" and not args.toy:
-        raise UserError("`python bench.py gpu` needs a CUDA GPU (this machine has none); the other sections run on CPU")
+        raise UserError("`python -m experiments.bench gpu` needs a CUDA GPU (this machine has none); "
+                        "the other sections run on CPU")
     if os.path.exists(args.out_dir) and not (os.path.isdir(args.out_dir) and not os.listdir(args.out_dir)):
         raise UserError(f"--out_dir={args.out_dir} exists and is not an empty folder; the runs go there and it is "
                         "deleted at the end: give a new or empty folder")
@@ -529,8 +541,8 @@ def train_runs(args, device, ddp, results):
 def read_runs(out_dir, outputs, figures):
     """From the runs' logs and outputs: the loss differences, each run's peak memory and checkpoint,
     and the speed of the two runs timed."""
-    logs = {folder: log_records(os.path.join(out_dir, folder), "train") for folder in ("200m-whole", "200m-resumed",
-                                                                                "200m-ddp", "1.2b")}
+    logs = {folder: runs.log_records(os.path.join(out_dir, folder), "train")
+            for folder in ("200m-whole", "200m-resumed", "200m-ddp", "1.2b")}
     checks = figures["checks"]
     checks["resume"] = largest_loss_difference(logs["200m-whole"], logs["200m-resumed"], STEPS)
     if "ddp" in checks:
@@ -551,48 +563,36 @@ def prepare_o200k_demo(data_dir):
     if os.path.exists(os.path.join(data_dir, "meta.json")):
         return
     print(f"preparing {data_dir}: the demo corpus with the full o200k vocabulary", flush=True)
-    result = subprocess.run([sys.executable, "prepare_data.py", "--dataset=demo", "--vocab_size=0",
+    result = subprocess.run([sys.executable, PREPARE_DATA, "--dataset=demo", "--vocab_size=0",
                              f"--out_dir={data_dir}"], capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"prepare_data.py could not prepare {data_dir}: "
                         + (result.stderr.strip().splitlines() or ["no message"])[-1])
 
 
-def run_stage(runs, out_dir, results):
-    """Start train.py runs together and wait for all of them: runs is {name: (options, processes)}.
-    Each writes its output to out_dir/<name>.txt and runs in a session of its own, so that a run
-    that hangs, or every run on Ctrl-C, is stopped with its torchrun workers. Enters
+def run_stage(stage, out_dir, results):
+    """Start train.py runs together and wait for all of them: stage is {name: (options, processes)}.
+    Each writes its output to out_dir/<name>.txt; one that hangs (a collective) is killed after
+    RUN_TIMEOUT_S, and every one on Ctrl-C, torchrun's workers included (runs.py). Enters
     {exit, seconds, error} for each in results; returns {name: output}."""
-    print(f"running {', '.join(runs)}" + (" together" if len(runs) > 1 else ""), flush=True)
+    print(f"running {', '.join(stage)}" + (" together" if len(stage) > 1 else ""), flush=True)
     started = {}
     try:
-        for name, (options, processes) in runs.items():
-            launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
-                                            f"--nproc_per_node={processes}"] if processes > 1 else [])
-            with open(os.path.join(out_dir, f"{name}.txt"), "w") as output:
-                started[name] = subprocess.Popen(launcher + ["train.py", *options], stdout=output,
-                                                 stderr=subprocess.STDOUT, start_new_session=True), time.time()
+        for name, (options, processes) in stage.items():
+            started[name] = runs.start(options, processes, os.path.join(out_dir, f"{name}.txt")), time.time()
         outputs = {}
         for name, (process, start) in started.items():
-            hung = None
-            try:
-                process.wait(timeout=max(0.0, start + RUN_TIMEOUT_S - time.time()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                hung = f"stopped after {RUN_TIMEOUT_S} s"
+            code, hung = runs.wait(process, deadline=start + RUN_TIMEOUT_S, stop_signal=signal.SIGKILL)
             with open(os.path.join(out_dir, f"{name}.txt")) as f:
                 outputs[name] = f.read()
-            error = None if process.returncode == 0 else hung or error_line(outputs[name])
-            results[name] = dict(exit=process.returncode, seconds=round(time.time() - start, 1), error=error)
-            print(f"  {name}: exit status {process.returncode} after {results[name]['seconds']:.0f} s"
+            error = None if code == 0 else f"stopped after {RUN_TIMEOUT_S} s" if hung else error_line(outputs[name])
+            results[name] = dict(exit=code, seconds=round(time.time() - start, 1), error=error)
+            print(f"  {name}: exit status {code} after {results[name]['seconds']:.0f} s"
                   + (f": {error}" if error else ""), flush=True)
         return outputs
     finally:
-        for process, _ in started.values():
-            if process.poll() is None:  # Ctrl-C, or an error here: stop it, torchrun's workers included
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        for process, _ in started.values():  # Ctrl-C, or an error here: the runs not yet waited for
+            runs.stop(process, signal.SIGKILL)
 
 
 def error_line(output):
@@ -654,8 +654,8 @@ def lev_figures(data_dir, device, shape):
     vocab_size = load_meta(data_dir)["vocab_size"]
     ids = zipf_ids(vocab_size, micro_batch_shape(shape), ZIPF_EXPONENT).to(device)
     model_fields = {f.name for f in dataclasses.fields(Config)}
-    cfg = Config.from_size(shape["size"], vocab_size=padded_vocab(vocab_size),
-                           **{key: value for key, value in shape.items() if key in model_fields})
+    cfg = size_model(shape["size"], vocab_size=padded_vocab(vocab_size),
+                     **{key: value for key, value in shape.items() if key in model_fields})
     torch.manual_seed(0)
     lev = LEV.from_config(cfg).to(device)
     if device.type == "cuda":
@@ -743,7 +743,8 @@ SECTIONS = {"model": bench_model, "loss": bench_loss, "data": bench_data, "train
 
 
 def bench(argv):
-    parser = ArgumentParser("bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser("-m experiments.bench", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all but gpu)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
     parser.add_argument("--repeats", type=int, default=5, help="each figure is the median of this many runs")

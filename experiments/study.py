@@ -1,15 +1,16 @@
 """The CPU-scale study: where does Leviathan win, lose or tie against the tied and untied
-baselines once every arm has its own learning rates? Its report, with every run, is study/README.md.
+baselines once every arm has its own learning rates? Its report, with every run, is
+experiments/study.md.
 
 Run from the repository root:
 
     python prepare_data.py --dataset=demo                                  # data/demo (8,192 ids)
     python prepare_data.py --dataset=demo --vocab_size=32768 --name=demo32k
-    python study/study.py prepare             # data/<name>-tune and data/<name>-final (val cut in two)
-    python study/study.py sweep tune final vocab32k long edges retuned [--deadline=HH:MM]
-    python study/study.py sweep width64 width128 width256 tune-long compare-long   # the second part
-    python study/study.py table               # every run, the seed summary, the frequency buckets
-    python study/study.py plot                # study/figures/*.png (needs `pip install matplotlib`)
+    python -m experiments.study prepare       # data/<name>-tune and data/<name>-final (val cut in two)
+    python -m experiments.study sweep tune final vocab32k long edges retuned [--deadline=HH:MM]
+    python -m experiments.study sweep width64 width128 width256 tune-long compare-long   # the second part
+    python -m experiments.study table         # every run, the seed summary, the frequency buckets
+    python -m experiments.study plot          # experiments/figures/*.png (needs `pip install matplotlib`)
 
 The protocol is the PLANS below. `tune`, `final`, `vocab32k` and `long` were fixed before any
 result was seen, except `vocab32k`'s second seed (see its comment); `edges` and `retuned` were
@@ -18,37 +19,33 @@ of the protocol fixed beforehand. Learning rates are chosen on the TUNING half o
 split; the tables report the FINAL half, which no choice saw. Plans run in the order given;
 `final`, `vocab32k` and `long` use each arm's best `tune` run, so `tune` must be finished first,
 and `retuned` needs `edges`. The second part (the width sweep, `tune-long` and `compare-long`, which
-needs `tune-long`) was fixed before any of its runs. `sweep` drives train.py in a subprocess, one run at a time, skips
-finished runs and resumes interrupted ones, so it can be stopped and started again at will.
-On a machine busy with other jobs, `OMP_NUM_THREADS=1 python study/study.py sweep ...` trains
+needs `tune-long`) was fixed before any of its runs. `sweep` drives train.py in a subprocess
+(runs.py), one run at a time, skips finished runs and resumes interrupted ones, so it can be
+stopped and started again at will.
+On a machine busy with other jobs, `OMP_NUM_THREADS=1 python -m experiments.study sweep ...` trains
 faster: two OpenMP threads on oversubscribed cores spend their time waiting for each other.
 `--part=K/N` shares a plan's runs among N sweeps, one per core, for example on two cores:
 
-    for k in 1 2; do OMP_NUM_THREADS=1 python study/study.py sweep tune-long --part=$k/2 & done; wait
-    for k in 1 2; do OMP_NUM_THREADS=1 python study/study.py sweep compare-long --part=$k/2 & done; wait
+    for k in 1 2; do OMP_NUM_THREADS=1 python -m experiments.study sweep tune-long --part=$k/2 & done; wait
+    for k in 1 2; do OMP_NUM_THREADS=1 python -m experiments.study sweep compare-long --part=$k/2 & done; wait
 
 A plan that needs another's results (compare-long needs tune-long) starts after all its parts end.
 """
 import glob
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
-# `python study/study.py` puts study/ on sys.path, not the repository root that holds the library modules.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np
 
-from cli import UserError, run_main
-from data import load_meta, log_records, read_shard, shard_paths, write_shard
-from leviathan import SIZES
+from experiments.runs import finished, log_records, train as train_run
+from prepare_data import UserError, load_meta, read_shard, run_main, shard_paths, write_shard
+from train import SIZES
 
 STUDY_DIR = os.path.join("out", "study")  # relative to the repository root, where the commands run
-FIGURES_DIR = os.path.join("study", "figures")
+FIGURES_DIR = os.path.join("experiments", "figures")
 BATCH_TOKENS = SIZES["tiny"].batch_tokens  # 4,096 tokens per step; budgets are given in steps
 FULL_STEPS = SIZES["tiny"].total_tokens // BATCH_TOKENS  # 660 steps = 2.7M tokens
 ARMS = ("lev", "tied", "untied")
@@ -147,7 +144,8 @@ def prepare_one(source):
             if not os.path.lexists(link):
                 os.symlink(os.path.relpath(path, target), link)
         write_shard(os.path.join(target, "val_000000.bin"), tokens, meta["vocab_size"])
-        half_meta = dict(meta, command=f"python study/study.py prepare  (the {half} half of {source}'s val split)")
+        half_meta = dict(meta, command=f"python -m experiments.study prepare  "
+                                       f"(the {half} half of {source}'s val split)")
         half_meta["splits"] = dict(meta["splits"], val=dict(tokens=len(tokens), shards=1))
         with open(os.path.join(target, "meta.json"), "w") as f:  # last: its presence means "complete"
             json.dump(half_meta, f, indent=2)
@@ -188,7 +186,8 @@ def best_settings(arm, plan_names=("tune",)):
         runs = [r for r in plan["runs"] if r["arm"] == arm]
         evals = [final_eval(os.path.join(STUDY_DIR, plan_name, run_name(r, plan["seeds"][0]))) for r in runs]
         if not all(e and e["step"] == plan["steps"] for e in evals):
-            raise UserError(f"the {plan_name} runs of {arm} are not all finished: run `python study/study.py sweep {plan_name}` first")
+            raise UserError(f"the {plan_name} runs of {arm} are not all finished: "
+                            f"run `python -m experiments.study sweep {plan_name}` first")
         done += [(e["val_loss"], r) for e, r in zip(evals, runs)]
     return min(done, key=lambda pair: pair[0])[1]
 
@@ -200,7 +199,7 @@ def retuned_runs():
 
 
 def planned_runs(plan_name):
-    """(out_dir, train.py arguments) of every run of the plan, in order."""
+    """(out_dir, train.py arguments but --out_dir) of every run of the plan, in order."""
     plan = PLANS[plan_name]
     runs = ([best_settings(arm, (plan.get("tuned_on", "tune"),)) for arm in ARMS] if plan["runs"] == "best"
             else retuned_runs() if plan["runs"] == "retuned" else plan["runs"])
@@ -209,7 +208,7 @@ def planned_runs(plan_name):
         for run in runs:
             out_dir = os.path.join(STUDY_DIR, plan_name, run_name(run, seed))
             evaluations = plan.get("evaluations", 1 if plan_name in TUNING_PLANS else 4)  # curves need points; tuning the end
-            args = [f"--embedding={run['arm']}", f"--data_dir={plan['data']}", f"--out_dir={out_dir}",
+            args = [f"--embedding={run['arm']}", f"--data_dir={plan['data']}",
                     f"--lr={run['lr']}", f"--lr_input={run['lr_input']}", f"--seed={seed}",
                     f"--total_tokens={plan['steps'] * BATCH_TOKENS}", f"--eval_interval={plan['steps'] // evaluations}",
                     "--eval_tokens=1000000000"]  # the whole validation half
@@ -235,27 +234,19 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
     for plan_name in plan_names:
         plan = PLANS[plan_name]
         for out_dir, args in planned_runs(plan_name)[k - 1::n]:
-            evaluated = final_eval(out_dir)
-            if evaluated and evaluated["step"] == plan["steps"]:
+            if finished(out_dir):
                 continue
             speed = measured_speed(plan)
             estimate = plan["steps"] * BATCH_TOKENS / speed * 1.1 if speed else None  # +10% for evaluations
             if deadline and time.time() + (estimate or 0) > deadline:  # a shape not yet measured: try it
                 print(f"not run: {out_dir} (estimated {(estimate or 0) / 60:.0f} min, past the deadline)", flush=True)
                 continue
-            resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt.pt")) else []
-            print(f"{time.strftime('%H:%M')} running {out_dir}"
-                  + (f" (estimated {estimate / 60:.0f} min)" if estimate else ""), flush=True)
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "train.out"), "a") as log:
-                process = subprocess.Popen([sys.executable, "train.py", *args, *resume], stdout=log, stderr=log)
-                try:
-                    code = process.wait(timeout=max(1.0, deadline - time.time()) if deadline else None)
-                except subprocess.TimeoutExpired:  # train.py saves a checkpoint and exits: rerun to resume
-                    process.send_signal(signal.SIGTERM)
-                    code = process.wait()
-                    print(f"  stopped at the deadline; `python study/study.py sweep {plan_name}` resumes it", flush=True)
-            if code and not (deadline and time.time() >= deadline):
+            code, stopped = train_run(out_dir, args, output=os.path.join(out_dir, "train.out"), deadline=deadline,
+                                      note=f" (estimated {estimate / 60:.0f} min)" if estimate else "")
+            if stopped:  # train.py saved a checkpoint and exited: rerun to resume
+                print(f"  stopped at the deadline; `python -m experiments.study sweep {plan_name}` resumes it",
+                      flush=True)
+            elif code:
                 print(f"  train.py exited with {code}; see {out_dir}/train.out", flush=True)
 
 
@@ -440,7 +431,7 @@ def plot_buckets(plt, plan, runs):
 
 
 def plot(root=STUDY_DIR):
-    """study/figures/loss_<plan>.png and study/figures/buckets_<plan>.png for every plan but
+    """experiments/figures/loss_<plan>.png and experiments/figures/buckets_<plan>.png for every plan but
     tuning, from its finished runs."""
     try:
         import matplotlib
@@ -484,8 +475,11 @@ def parse_part(text):
 
 def main(argv):
     commands = ("prepare", "sweep", "table", "plot")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if not argv or argv[0] not in commands:
-        raise UserError(f"expected one of {', '.join(commands)} (see the top of study/study.py)")
+        raise UserError(f"expected one of {', '.join(commands)} (see the top of experiments/study.py)")
     command, rest = argv[0], argv[1:]
     options = {"--deadline": parse_deadline, "--part": parse_part}
     given = {name: parse(a.removeprefix(name + "=")) for a in rest for name, parse in options.items()

@@ -1,9 +1,9 @@
 """Downstream evaluation of a trained run through EleutherAI's lm-evaluation-harness.
 
-    python evaluate.py --out_dir=out/1.2b-lev                         # the six default benchmarks
-    python evaluate.py --out_dir=out/1.2b-lev --tasks=lambada_openai,piqa --limit=100
-    python evaluate.py --out_dir=out/tiny-lev --tasks=my_task --include_path=my_tasks/
-    python evaluate.py --compare out/1.2b-lev out/1.2b-tied           # arms side by side
+    python -m experiments.evaluate --out_dir=out/1.2b-lev             # the six default benchmarks
+    python -m experiments.evaluate --out_dir=out/1.2b-lev --tasks=lambada_openai,piqa --limit=100
+    python -m experiments.evaluate --out_dir=out/tiny-lev --tasks=my_task --include_path=my_tasks/
+    python -m experiments.evaluate --compare out/1.2b-lev out/1.2b-tied   # arms side by side
 
 lm-eval is optional (pip install "lm-eval>=0.4.10,<0.5"): it downloads each benchmark
 from the Hugging Face Hub the first time. The default six are our choice, since the paper
@@ -27,9 +27,8 @@ import json, os, sys
 
 import torch
 
-from checkpoint import load_model
-from cli import ArgumentParser, UserError, check_device, run_main
-from data import write_json
+from prepare_data import ArgumentParser, UserError, run_main, write_json
+from sample import check_device, load_model
 
 try:
     import lm_eval
@@ -143,11 +142,33 @@ def number(value):
     return "-" if value is None else f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4f}"
 
 
-def print_table(header, rows):
+def markdown(header, rows, labels):
+    """Lines of a markdown table padded to line up in a terminal too: the first `labels` columns
+    flush left, the figures after them flush right."""
     cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    for row in cells:
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
+
+    def line(row):
+        return "| " + " | ".join(c.ljust(w) if i < labels else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
+    rule = "|" + "|".join("-" * (w + 2) if i < labels else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return [line(cells[0]), rule] + [line(row) for row in cells[1:]]
+
+
+def relative(value, base):
+    return "-" if value is None or not base else f"{value / base - 1:+.1%}"
+
+
+def side_by_side(labels, names, focus, rows, extra=()):
+    """The comparison table (evaluate.py --compare, compare.py) as markdown lines: per row its label
+    cells, each name's cell, focus's relative difference to each other name, then the extra cells.
+    rows: [(label cells, {name: (value, cell)}, extra cells)]; a value of None has no difference."""
+    others = [name for name in names if name != focus]
+    header = [*labels, *names, *(f"{focus} vs {name}" for name in others), *extra]
+    body = [[*label_cells, *(values[name][1] for name in names),
+             *(relative(values[focus][0], values[name][0]) for name in others), *extra_cells]
+            for label_cells, values, extra_cells in rows]
+    return markdown(header, body, len(labels))
 
 
 def read_results(out_dir):
@@ -156,34 +177,31 @@ def read_results(out_dir):
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise UserError(f"no {path}; run python evaluate.py --out_dir={out_dir} first")
+        raise UserError(f"no {path}; run python -m experiments.evaluate --out_dir={out_dir} first")
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {path}: {e}")
 
 
 def compare(out_dirs):
     """One row per (task, metric) present in every run; the first run relative to each other one."""
-    runs = [read_results(d) for d in out_dirs]
-    header = ["task", "metric", *out_dirs, *[f"{out_dirs[0]} vs {d}" for d in out_dirs[1:]]]
+    results = {d: read_results(d) for d in out_dirs}
     rows = []
-    for task, entry in runs[0].items():
-        for metric, (value, stderr) in entry["metrics"].items():
-            others = [run.get(task, {}).get("metrics", {}).get(metric) for run in runs[1:]]
-            if None in others:
-                continue
-            values = [f"{number(v)} ± {number(s)}" for v, s in [(value, stderr), *others]]
-            relative = [f"{(value - v) / v:+.1%}" if v else "-" for v, _ in others]
-            rows.append([task, metric, *values, *relative])
+    for task, entry in results[out_dirs[0]].items():
+        for metric in entry["metrics"]:
+            found = {d: r.get(task, {}).get("metrics", {}).get(metric) for d, r in results.items()}
+            if None not in found.values():
+                cells = {d: (value, f"{number(value)} ± {number(stderr)}") for d, (value, stderr) in found.items()}
+                rows.append(([task, metric], cells, []))
     if not rows:
         raise UserError(f"{', '.join(out_dirs)} have no task and metric in common")
-    print_table(header, rows)
+    print("\n".join(side_by_side(["task", "metric"], out_dirs, out_dirs[0], rows)))
 
 
 # ---------------------------------------------------------------------------- command line
 
 
 def parse_args(argv):
-    parser = ArgumentParser("evaluate.py", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser("-m experiments.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
     parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
@@ -196,8 +214,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if (args.out_dir is None) == (args.compare is None):
         raise UserError("pass --out_dir=RUN to evaluate, or --compare RUN RUN... to compare")
-    if args.compare is not None and len(args.compare) < 2:
-        raise UserError("--compare needs at least two run folders")
+    if args.compare is not None and (len(args.compare) < 2 or len(set(args.compare)) < len(args.compare)):
+        raise UserError("--compare needs at least two run folders, each once")
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--limit and --batch_size must be at least 1")
     return args
@@ -205,7 +223,7 @@ def parse_args(argv):
 
 def evaluate(args):
     if lm_eval is None:
-        raise UserError(f"evaluate.py needs EleutherAI's lm-evaluation-harness: {INSTALL}")
+        raise UserError(f"experiments.evaluate needs EleutherAI's lm-evaluation-harness: {INSTALL}")
     check_device(args.device)
     if args.include_path and not os.path.isdir(args.include_path):
         raise UserError(f"--include_path {args.include_path} is not a folder")
@@ -228,7 +246,8 @@ def evaluate(args):
     except torch.cuda.OutOfMemoryError:
         raise UserError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
     rows = result_rows(output["results"])
-    print_table(["task", "metric", "value", "stderr"], [(t, m, number(v), number(s)) for t, m, v, s in rows])
+    table = [(task, metric, number(value), number(stderr)) for task, metric, value, stderr in rows]
+    print("\n".join(markdown(["task", "metric", "value", "stderr"], table, labels=2)))
     # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs.
     path = os.path.join(args.out_dir, RESULTS_FILE)
     saved = read_results(args.out_dir) if os.path.exists(path) else {}

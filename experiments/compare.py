@@ -1,24 +1,24 @@
 """The paper's comparison at one size, in one command: train the three arms, evaluate them and
 write the paper's table beside the figures the paper reports.
 
-    python compare.py --size=1.2b                  # every visible GPU (torchrun); run again to resume
-    python compare.py --size=200m --tasks=         # validation and buckets only (no lm-eval)
-    python compare.py --size=tiny --tasks=my_task --include_path=my_tasks/ -- --total_tokens=409600
+    python -m experiments.compare --size=1.2b           # every visible GPU (torchrun); run again to resume
+    python -m experiments.compare --size=200m --tasks=  # validation and buckets only (no lm-eval)
+    python -m experiments.compare --size=tiny --tasks=my_task --include_path=my_tasks/ -- --total_tokens=409600
 
 Each arm trains with train.py's preset for the size into <out_dir>/<arm> (options after `--` go to
 every train.py run), then is evaluated by evaluate.py on --tasks. An arm already trained to the end
-is not trained again, one stopped is resumed, and a task already evaluated is not evaluated again,
-so the command can be repeated until the table is complete. The table goes to <out_dir>/table.md.
+is not trained again, one stopped is resumed (runs.py), and a task already evaluated is not
+evaluated again, so the command can be repeated until the table is complete. The table goes to
+<out_dir>/table.md.
 """
-import json, os, subprocess, sys
+import json, os, sys
 
 import numpy as np
 import torch
 
-import evaluate  # its lm-eval import is optional: only the downstream step needs it
-from cli import ArgumentParser, UserError, run_main
-from data import log_records
-from leviathan import SIZES
+from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
+from prepare_data import ArgumentParser, UserError, run_main
+from train import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
 # What the paper reports for lev against tied (arXiv 2601.22040): validation perplexity per size,
@@ -31,7 +31,7 @@ PAPER_OTHER = "LAMBADA perplexity -30%; rarest bucket -81%; most frequent bucket
 
 def parse_args(argv):
     own, train_options = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = ArgumentParser("compare.py", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser("-m experiments.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", required=True, help=" | ".join(SIZES))
     parser.add_argument("--out_dir", help="default out/compare-<size>; the arms train in its subfolders")
     parser.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: evaluate.py's "
@@ -45,7 +45,8 @@ def parse_args(argv):
     if args.gpus < 0:
         raise UserError(f"--gpus={args.gpus}: must be 0 (CPU) or more")
     if any(o.split("=")[0] in ("--size", "--embedding", "--out_dir", "--resume") for o in train_options):
-        raise UserError("compare.py sets --size, --embedding, --out_dir and --resume of its train.py runs itself")
+        raise UserError("experiments.compare sets --size, --embedding, --out_dir and --resume of its train.py runs "
+                        "itself")
     args.out_dir = args.out_dir or os.path.join("out", f"compare-{args.size}")
     args.train_options = train_options
     return args
@@ -59,30 +60,16 @@ def read_json(path):
         return json.load(f)
 
 
-def trained(run_dir):
-    """Whether the run has evaluated at its last step (train.py's last act before exiting)."""
-    config_path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(config_path):
-        return False
-    records = log_records(run_dir, "eval")
-    return bool(records) and records[-1]["tokens_seen"] >= read_json(config_path)["train"]["total_tokens"]
-
-
 def train(args, arm):
     run_dir = os.path.join(args.out_dir, arm)
-    if trained(run_dir):
+    if runs.finished(run_dir):
         print(f"{arm}: trained ({run_dir})", flush=True)
         return
-    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"]
-                if args.gpus > 1 else [])
-    resume = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else []
-    command = [sys.executable, *launcher, "train.py", f"--size={args.size}", f"--embedding={arm}",
-               f"--out_dir={run_dir}", *args.train_options, *resume]
-    print(f"{arm}: {' '.join(command[1:])}", flush=True)
-    code = subprocess.run(command).returncode  # its progress and any error line go to the terminal
+    code, _ = runs.train(run_dir, [f"--size={args.size}", f"--embedding={arm}", *args.train_options],
+                         processes=max(args.gpus, 1))  # its progress and any error line go to the terminal
     if code:
         raise UserError(f"train.py stopped (exit status {code}) while training {arm}; its output is above. "
-                        "Run the same compare.py command again to resume")
+                        "Run the same experiments.compare command again to resume")
 
 
 def evaluate_downstream(args, arm, tasks):
@@ -113,10 +100,6 @@ def tokens_to_reach(records, target):
     return None
 
 
-def relative(value, base):
-    return f"{100 * (value / base - 1):+.1f}%" if base else "-"
-
-
 def bucket_rows(last_evals):
     """The rarest and the most frequent non-empty bucket of the final evaluations: (label, ppl per arm)."""
     rows = [j for j, row in enumerate(last_evals["tied"]["buckets"]) if row["tokens"]]
@@ -132,7 +115,7 @@ def downstream_rows(args, tasks):
     """(label, {arm: value}) per task metric present for every arm."""
     if not tasks:
         return []
-    results = {arm: read_json(os.path.join(args.out_dir, arm, "downstream.json")) for arm in ARMS}
+    results = {arm: read_json(os.path.join(args.out_dir, arm, evaluate.RESULTS_FILE)) for arm in ARMS}
     rows = []
     for task in tasks:
         for metric in results["tied"].get(task, {}).get("metrics", {}):
@@ -145,32 +128,30 @@ def downstream_rows(args, tasks):
 
 def table(args, tasks):
     """The paper's table as markdown: each arm's figure, lev against tied and untied, the paper's."""
-    records = {arm: log_records(os.path.join(args.out_dir, arm), "eval") for arm in ARMS}
+    records = {arm: runs.log_records(os.path.join(args.out_dir, arm), "eval") for arm in ARMS}
     last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json"))
             for arm in ARMS}
-    lines = [f"# Leviathan against its baselines, {args.size}", "",
-             "| | tied | untied | lev | lev vs tied | lev vs untied | paper, lev vs tied |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
 
     def row(label, values, paper="", fmt="{:.4f}"):
-        cells = [fmt.format(values[a]) for a in ARMS]
-        lines.append(f"| {label} | {' | '.join(cells)} | {relative(values['lev'], values['tied'])} | "
-                     f"{relative(values['lev'], values['untied'])} | {paper} |")
+        rows.append(([label], {a: (v, fmt.format(v)) for a, v in values.items()}, [paper]))
 
     row("validation loss (nats)", {a: last[a]["val_loss"] for a in ARMS})
     row("validation perplexity", {a: last[a]["val_ppl"] for a in ARMS}, PAPER_PPL.get(args.size, ""), "{:.2f}")
-    tied_final = last["tied"]["val_loss"]
-    reached = tokens_to_reach(records["lev"], tied_final)
     tied_tokens = records["tied"][-1]["tokens_seen"]
+    reached = tokens_to_reach(records["lev"], last["tied"]["val_loss"])
     lev_cell = f"{reached:,.0f} ({tied_tokens / reached:.2f}x fewer)" if reached else "not reached"
-    lines.append(f"| training tokens to reach tied's final loss | {tied_tokens:,} | | {lev_cell} | | | "
-                 f"{PAPER_TOKENS.get(args.size, '')} |")
+    rows.append((["training tokens to reach tied's final loss"],  # untied has no figure here
+                 {"tied": (tied_tokens, f"{tied_tokens:,}"), "untied": (None, ""), "lev": (reached, lev_cell)},
+                 [PAPER_TOKENS.get(args.size, "")]))
     for label, values in bucket_rows(last):
         row(label, values, fmt="{:,.1f}")
     for label, values in downstream_rows(args, tasks):
         row(label, values)
-    lines += ["", f"The paper also reports (model size not given here): {PAPER_OTHER}. Evaluated tokens: "
-              f"{last['tied']['eval_tokens']:,}; lower is better for loss and perplexity, higher for accuracy."]
+    lines = [f"# Leviathan against its baselines, {args.size}", "",
+             *evaluate.side_by_side([""], ARMS, "lev", rows, ["paper, lev vs tied"]), "",
+             f"The paper also reports (model size not given here): {PAPER_OTHER}. Evaluated tokens: "
+             f"{last['tied']['eval_tokens']:,}; lower is better for loss and perplexity, higher for accuracy."]
     return "\n".join(lines) + "\n"
 
 

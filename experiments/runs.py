@@ -1,0 +1,97 @@
+"""The one way the experiments run train.py: the command, a run's log, starting and stopping it.
+
+compare.py and study.py train run folders to their end (`finished`, `train`); bench.py starts
+several runs together and waits for each (`start`, `wait`, `stop`). Every run is a subprocess in
+a session of its own, so that a signal sent to it reaches torchrun's workers too. A run stopped
+at a deadline or on Ctrl-C gets SIGTERM unless the caller says otherwise: train.py then saves a
+checkpoint and exits, and `--resume` continues it.
+"""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
+
+
+def log_records(run_dir, kind):
+    """The records of one type ("train" or "eval") in a run's log.jsonl, in order; [] if it wrote none.
+    A last line without its newline (a run killed while writing it) is left out."""
+    path = os.path.join(run_dir, "log.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in (json.loads(line) for line in f if line.endswith("\n")) if r["type"] == kind]
+
+
+def finished(run_dir):
+    """Whether the run has evaluated at its last step (train.py's last act before exiting)."""
+    config_path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(config_path):
+        return False
+    with open(config_path) as f:
+        total_tokens = json.load(f)["train"]["total_tokens"]
+    records = log_records(run_dir, "eval")
+    return bool(records) and records[-1]["tokens_seen"] >= total_tokens
+
+
+def command(options, processes=1):
+    """train.py with options; more than one process runs under torchrun (DDP, one GPU each)."""
+    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+                if processes > 1 else [])
+    return [sys.executable, *launcher, TRAIN, *options]
+
+
+def start(options, processes=1, output=None):
+    """Start train.py (command()) in a session of its own; its output appended to the file `output`,
+    or to this terminal when None."""
+    if output is None:
+        return subprocess.Popen(command(options, processes), start_new_session=True)
+    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    with open(output, "a") as f:  # the child has its own copy of the file
+        return subprocess.Popen(command(options, processes), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop(process, stop_signal=signal.SIGTERM):
+    """Send stop_signal to a run's whole session, if it is still going, and wait for it to end.
+    SIGTERM lets train.py save a checkpoint; SIGKILL ends a run that hangs (in a collective)."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, stop_signal)
+        except ProcessLookupError:  # it ended in between
+            pass
+    process.wait()
+
+
+def wait(process, deadline=None, stop_signal=signal.SIGTERM):
+    """(exit status, whether it was stopped) of a started run: stopped with stop_signal at the
+    deadline (time.time() seconds; None: none), and on Ctrl-C here, which in its own session it
+    does not receive from the terminal."""
+    try:
+        return process.wait(timeout=None if deadline is None else max(0.0, deadline - time.time())), False
+    except subprocess.TimeoutExpired:
+        stop(process, stop_signal)
+        return process.returncode, True
+    except BaseException:  # Ctrl-C, or an error here: the run must not go on alone
+        stop(process, stop_signal)
+        raise
+
+
+def shown(argv):
+    """A command() as a user would type it here."""
+    return shlex.join(["python", *(os.path.relpath(a) if a == TRAIN else a for a in argv[1:])])
+
+
+def train(run_dir, options, processes=1, output=None, deadline=None, note=""):
+    """Train into run_dir, resumed from its checkpoint where it has one; print the command first
+    (then `note`). Callers skip a finished run: `finished`. Returns wait()'s (exit status, stopped)."""
+    options = [*options, f"--out_dir={run_dir}"]
+    if os.path.exists(os.path.join(run_dir, "ckpt.pt")):
+        options.append("--resume")
+    print(f"{time.strftime('%H:%M')} {shown(command(options, processes))}{note}", flush=True)
+    return wait(start(options, processes, output), deadline)

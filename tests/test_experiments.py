@@ -1,0 +1,594 @@
+"""The research tools in experiments/: the run driver (runs.py), the lm-eval adapter and its command
+line (evaluate.py), the paper's comparison in one command (compare.py), the CPU-scale study's data
+split, tables and errors (study.py), and bench.py's options and GPU acceptance test, run on a CPU
+toy. The tools run as a user runs them: `python -m experiments.X` from the repository root."""
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import leviathan
+import prepare_data as prep
+from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, random_model,
+                      train_cli)
+from experiments import bench, compare, evaluate, runs, study
+from experiments.evaluate import LeviathanLM, scoring_windows
+from prepare_data import UserError, tokenizer_from_meta
+from sample import load_model
+from test_leviathan import bias_logits
+
+
+def run_module(tool, *args, env=None, timeout=300):
+    """`python -m experiments.TOOL ARGS` from the repository root, as a user runs it; stdout and stderr as text."""
+    return subprocess.run([sys.executable, "-m", f"experiments.{tool}", *map(str, args)], cwd=HERE,
+                          env={**SCRIPT_ENV, **(env or {})}, capture_output=True, text=True, encoding="utf-8",
+                          timeout=timeout)
+
+
+def save_run(folder, model):
+    """A run folder holding only a checkpoint of model (step 42), as load_model reads it."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_config": dict(model.cfg.__dict__), "data_meta": META, "step": 42},
+               os.path.join(folder, "ckpt.pt"))
+    return str(folder)
+
+
+# ---------------------------------------------------------------------------- runs.py
+
+
+def test_log_records_are_one_type_and_leave_out_a_line_cut_short(tmp_path):
+    (tmp_path / "log.jsonl").write_text('{"type": "train", "step": 1}\n{"type": "eval", "step": 1}\n'
+                                        '{"type": "train", "step": 2}\n{"type": "train", "st')
+    assert runs.log_records(tmp_path, "train") == [{"type": "train", "step": 1}, {"type": "train", "step": 2}]
+    assert runs.log_records(tmp_path, "eval") == [{"type": "eval", "step": 1}]
+    assert runs.log_records(tmp_path / "missing", "eval") == []
+
+
+def test_a_run_stopped_part_way_is_resumed_and_then_finished(train_data, tmp_path, capsys):
+    """runs.train: a run stopped at step 2 of 4 (evaluated there, not at its end) is not finished;
+    run again, it continues from its checkpoint (--resume added, steps 3 and 4 only) and is."""
+    out = tmp_path / "run"
+    options = [f"--data_dir={train_data}", *TRAIN_ARGS, "--total_tokens=2048", "--eval_interval=2"]
+    assert not runs.finished(out)
+    assert runs.train(str(out), [*options, "--stop_step=2"], output=str(tmp_path / "first.txt")) == (0, False)
+    assert runs.log_records(out, "eval") and not runs.finished(out)
+    assert runs.train(str(out), options, output=str(tmp_path / "second.txt")) == (0, False)
+    assert runs.finished(out)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and all(re.match(r"\d\d:\d\d python \S*train\.py --data_dir=", line) for line in printed)
+    assert printed[0].endswith(f"--stop_step=2 --out_dir={out}") and printed[1].endswith(f"--out_dir={out} --resume")
+    assert [r["step"] for r in runs.log_records(out, "train")] == [1, 2, 3, 4]
+    assert '"resume": true' in (tmp_path / "second.txt").read_text()  # the config it printed
+
+
+def test_wait_stops_a_run_at_its_deadline_and_train_py_saves_a_checkpoint(train_data, tmp_path):
+    """At the deadline the run's session gets SIGTERM: train.py finishes its step, saves, exits 143."""
+    out, output = tmp_path / "run", tmp_path / "output.txt"
+    process = runs.start([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=100000000"],
+                         output=str(output))
+    started = time.time()
+    while not runs.log_records(out, "train"):  # training: its signal handler is in place
+        assert process.poll() is None and time.time() < started + 240, output.read_text()
+        time.sleep(0.1)
+    assert runs.wait(process, deadline=time.time()) == (128 + signal.SIGTERM, True)
+    assert "SIGTERM: saving a checkpoint" in output.read_text() and (out / "ckpt.pt").exists()
+    assert not runs.finished(out)
+
+
+# ---------------------------------------------------------------------------- evaluate.py
+
+needs_lm_eval = pytest.mark.skipif(evaluate.lm_eval is None, reason=f"needs lm-eval: {evaluate.INSTALL}")
+
+
+class Request:
+    """The two fields of an lm-eval Instance that the adapter reads."""
+
+    def __init__(self, *args):
+        self.args, self.task_name = args, "test_task"
+
+
+@torch.no_grad()
+def reference_logprobs(model, ids):
+    """log p(ids[t] | ids[:t]) for t = 1.., from one forward pass, padding ids set to -inf."""
+    logits = model(torch.tensor([ids[:-1]]))[0]
+    logits[:, N_VALID:] = float("-inf")
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double()
+
+
+@pytest.fixture(scope="module")
+def eval_model():
+    model = random_model("lev")
+    model.freeze_lev()
+    return model, tokenizer_from_meta(META)
+
+
+def test_scoring_windows_follow_lm_evals_rolling_example():
+    # lm-eval's docstring example: ids 0..9 after a prefix, context 4: each id is scored once,
+    # and the last window keeps a full context while scoring only 8 and 9.
+    assert scoring_windows(["P"], list(range(10)), 4) == [
+        (["P", 0, 1, 2, 3], 4), ([3, 4, 5, 6, 7], 4), ([5, 6, 7, 8, 9], 2)]
+    assert scoring_windows(["P", 0], [1], 4) == [(["P", 0, 1], 1)]
+    assert scoring_windows(["P"], [], 4) == []
+
+
+def test_loglikelihood_equals_the_models_log_probs(eval_model):
+    model, tok = eval_model
+    seq_len = model.cfg.seq_len
+    cases = [("The cat sat on", " the mat"), ("Far too long a context for this model," * 3, " so cut it")]
+    expected = []
+    for context, continuation in cases:
+        cont = tok.encode(continuation)
+        ids = [EOT] + tok.encode(context) + cont
+        expected.append(reference_logprobs(model, ids[-(seq_len + 1):])[-len(cont):].sum().item())
+    assert len(tok.encode(cases[1][0])) > seq_len  # the second context must be truncated
+    for batch_size in (1, 3):  # padded batches give what one request alone does
+        got = LeviathanLM(model, tok, batch_size).loglikelihood([Request(*c) for c in cases + cases[:1]])
+        assert [lp for lp, _ in got] == pytest.approx(expected + expected[:1], abs=1e-5)
+    # A trailing space of the context moves to the continuation, as BPE attaches spaces.
+    moved = LeviathanLM(model, tok).loglikelihood([Request("The cat sat on ", "the mat")])
+    assert moved[0][0] == pytest.approx(expected[0], abs=1e-5)
+
+
+def repeatable_token(tok, text):
+    """The id of `text` if it encodes to one id, also when repeated."""
+    ids = tok.encode(text * 3)
+    assert len(set(ids)) == 1 and len(ids) == 3, ids
+    return ids[0]
+
+
+def test_is_greedy_on_continuations_built_to_be_the_argmax(eval_model):
+    model, tok = eval_model
+    x = repeatable_token(tok, "x")
+    repeatable_token(tok, "q")  # "xxq" must end in a token of its own
+    lm = LeviathanLM(model, tok)
+    requests = [Request("Once upon a", "xxx"), Request("Once upon a", "xxq")]
+    # x gets the largest real logit everywhere; a padding id gets a larger one, which
+    # must take no probability (it is not a token) and not count as the argmax.
+    hooks = [bias_logits(model, [x], 100.0), bias_logits(model, [N_VALID + 20], 1000.0)]
+    try:
+        (logprob_x, greedy_x), (_, greedy_xq) = lm.loglikelihood(requests)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert greedy_x and logprob_x > -1e-6
+    assert not greedy_xq  # greedy means every continuation id is the argmax
+    assert not any(greedy for _, greedy in lm.loglikelihood(requests))  # without the bias
+
+
+def test_loglikelihood_rolling_sums_windows_that_score_each_token_once(eval_model):
+    model, tok = eval_model
+    text = "the quick brown fox jumps over the lazy dog. " * 2
+    tokens = [EOT] + tok.encode(text)
+    n = len(tokens) - 1
+    assert 64 < n <= 96, n  # three windows of seq_len = 32: the slices below assume it
+    windows = [(tokens[0:33], 32), (tokens[32:65], 32), (tokens[n - 32:n + 1], n - 64)]
+    expected = sum(reference_logprobs(model, w)[-k:].sum().item() for w, k in windows)
+    for batch_size in (1, 4):
+        got = LeviathanLM(model, tok, batch_size).loglikelihood_rolling([Request(text), Request("tail")])
+        assert got[0] == pytest.approx(expected, rel=1e-6)  # a float32 sum of ~100 log-probs
+        tail = reference_logprobs(model, [EOT] + tok.encode("tail")).sum().item()  # one window
+        assert got[1] == pytest.approx(tail, abs=1e-5)
+
+
+def test_generation_requests_are_refused_by_name(eval_model):
+    with pytest.raises(UserError, match="test_task needs generated text"):
+        LeviathanLM(*eval_model).generate_until([Request("Once", {"until": ["\n"]})])
+
+
+def write_choice_task(folder, docs):
+    """A multiple-choice lm-eval task over a local JSONL file: nothing is downloaded."""
+    folder.mkdir()
+    with open(folder / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in docs)
+    (folder / "local_choice.yaml").write_text(
+        "task: local_choice\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(folder / 'docs.jsonl'))}\n"
+        "output_type: multiple_choice\ntest_split: test\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return folder
+
+
+@needs_lm_eval
+def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    model, tok, _ = load_model(run_dir)
+    model.freeze_lev()
+    questions = [f"Question {i}: what comes after {word}?\nAnswer:"
+                 for i, word in enumerate(["one", "red", "cat", "up", "sun", "day"])]
+    choices = ["two", "blue", "dog", "down"]
+
+    def choice_logprob(question, choice):  # lm-eval joins them with its target_delimiter, " "
+        cont = tok.encode(" " + choice)
+        ids = [EOT] + tok.encode(question) + cont
+        return reference_logprobs(model, ids[-(model.cfg.seq_len + 1):])[-len(cont):].sum().item()
+    picks = [max(range(len(choices)), key=lambda c: choice_logprob(q, choices[c])) for q in questions]
+    # Labels right for every other question: by hand, accuracy 3/6.
+    labels = [pick if i % 2 == 0 else (pick + 1) % len(choices) for i, pick in enumerate(picks)]
+    task = write_choice_task(tmp_path / "tasks", [{"question": q, "choices": choices, "label": label}
+                                                   for q, label in zip(questions, labels)])
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf")}  # the local JSON is cached there, not in ~
+    proc = run_module("evaluate", f"--out_dir={run_dir}", "--tasks=local_choice", f"--include_path={task}",
+                      "--batch_size=5", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\| local_choice +\| acc +\| 0\.5000 \| 0\.2236 \|$", proc.stdout, re.M), proc.stdout
+    saved = json.loads((tmp_path / "run" / "downstream.json").read_text())["local_choice"]
+    assert saved["metrics"]["acc"] == [0.5, pytest.approx(math.sqrt(0.25 / 5))]  # sample stderr, n - 1
+    assert (saved["step"], saved["samples"], saved["limit"]) == (42, 6, None)
+
+
+def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
+    for arm, (ppl, acc) in {"lev": (14.0, 0.55), "tied": (20.0, 0.50)}.items():
+        (tmp_path / arm).mkdir()
+        prep.write_json(str(tmp_path / arm / "downstream.json"), {"lambada_openai": {
+            "step": 9, "limit": None, "samples": 10,
+            "metrics": {"perplexity": [ppl, 1.0], "acc": [acc, 0.01]}}})
+    lev, tied = tmp_path / "lev", tmp_path / "tied"
+    assert evaluate.main(["--compare", str(lev), str(tied)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"\| task +\| metric +\| +{re.escape(str(lev))} \| +{re.escape(str(tied))} \| "
+                        rf"{re.escape(f'{lev} vs {tied}')} \|", lines[0]), lines[0]
+    assert re.fullmatch(r"\| lambada_openai \| perplexity \| +14\.0000 ± 1\.0000 \| +20\.0000 ± 1\.0000 \| +-30\.0% \|",
+                        lines[2]), lines  # the paper's LAMBADA claim has this form: 30% lower perplexity
+    assert re.fullmatch(r"\| lambada_openai \| acc +\| +0\.5500 ± 0\.0100 \| +0\.5000 ± 0\.0100 \| +\+10\.0% \|",
+                        lines[3]), lines
+    assert len(lines) == 4
+
+
+@pytest.mark.parametrize("args, phrase", [
+    ([], "pass --out_dir=RUN to evaluate, or --compare"),
+    (["--out_dir=x", "--shots=5"], "unrecognized arguments: --shots=5"),
+    (["--out_dir=x", "--limit=0"], "at least 1"),
+    (["--compare", "x"], "at least two run folders"),
+    (["--compare", "x", "x"], "at least two run folders, each once"),
+    (["--compare", "x", "y"], "no x/downstream.json; run python -m experiments.evaluate --out_dir=x first"),
+])
+def test_evaluate_bad_options_give_one_error_line(args, phrase, capsys):
+    code = evaluate.main(args)
+    assert_one_error_line(code, capsys.readouterr().err, phrase)
+
+
+@needs_lm_eval
+def test_evaluate_bad_run_or_task_gives_one_error_line(tmp_path, capsys):
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    (tmp_path / "empty").mkdir()
+    for args, phrase in [([f"--out_dir={tmp_path / 'missing'}"], "not found"),
+                          ([f"--out_dir={tmp_path / 'empty'}"], "no checkpoint"),
+                          ([f"--out_dir={run_dir}", "--tasks=piqa,no_such_task"], "unknown task no_such_task")]:
+        code = evaluate.main(args)
+        assert_one_error_line(code, capsys.readouterr().err, phrase)
+
+
+def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(evaluate, "lm_eval", None)
+    code = evaluate.main(["--out_dir=anywhere"])
+    assert_one_error_line(code, capsys.readouterr().err, 'pip install "lm-eval>=0.4.10,<0.5"')
+
+
+# ---------------------------------------------------------------------------- compare.py
+
+
+def test_tokens_to_reach_interpolates_between_evaluations():
+    records = [dict(tokens_seen=t, val_loss=l) for t, l in ((100, 5.0), (200, 4.0), (300, 3.0))]
+    assert compare.tokens_to_reach(records, 3.5) == pytest.approx(250)  # halfway from 4.0 to 3.0
+    assert compare.tokens_to_reach(records, 5.5) == 100  # already there at the first evaluation
+    assert compare.tokens_to_reach(records, 2.9) is None
+
+
+@needs_lm_eval
+def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_path):
+    """compare.py end to end at a micro shape on CPU: three arms trained, a local lm-eval task
+    evaluated on each, and the table's figures read back from each run's own files. Run again,
+    it trains and evaluates nothing (each step is skipped when done) and writes the same table."""
+    task = write_choice_task(tmp_path / "tasks", [{"question": f"Is {w} a word?", "choices": ["yes", "no"], "label": 0}
+                                                  for w in ("cat", "dog", "sun", "sea")])
+    out = tmp_path / "cmp"
+    args = ["--size=tiny", "--tasks=local_choice", f"--include_path={task}", f"--out_dir={out}", "--",
+            f"--data_dir={train_data}", *TRAIN_ARGS[1:], "--total_tokens=5120", "--eval_interval=5"]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    first = run_module("compare", *args, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    table = (out / "table.md").read_text()
+    assert re.findall(r"^\d\d:\d\d python train\.py --size=tiny --embedding=(\w+) ", first.stdout, re.M) == list(compare.ARMS)
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| "):
+            label, *cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            rows[label] = cells
+    for arm, column in zip(compare.ARMS, range(3)):
+        final = json.loads((out / arm / "eval_step10.json").read_text())  # 10 steps of 512 tokens
+        assert rows["validation perplexity"][column] == f"{final['val_ppl']:.2f}"
+        accuracy = json.loads((out / arm / "downstream.json").read_text())["local_choice"]["metrics"]["acc"][0]
+        assert rows["local_choice acc"][column] == f"{accuracy:.4f}"
+    lev, tied = (json.loads((out / arm / "eval_step10.json").read_text())["val_ppl"] for arm in ("lev", "tied"))
+    assert rows["validation perplexity"][3] == f"{100 * (lev / tied - 1):+.1f}%"
+    assert rows["training tokens to reach tied's final loss"][0] == "5,120"
+    assert any(label.startswith("ppl, rarest bucket") for label in rows)
+    again = run_module("compare", *args, env=env, timeout=600)
+    assert again.returncode == 0 and "train.py" not in again.stdout, again.stdout + again.stderr
+    assert [f"{arm}: trained ({out / arm})" for arm in compare.ARMS] == again.stdout.splitlines()[:3]
+    assert (out / "table.md").read_text() == table
+
+
+@pytest.mark.parametrize("args, phrase", [
+    ([], "the following arguments are required: --size"),
+    (["--size=7b"], "--size=7b: choose one of tiny, 200m, 400m, 1.2b"),
+    (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
+    (["--size=tiny", "--gpus=-1"], "--gpus=-1: must be 0 (CPU) or more"),
+])
+def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
+    assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
+
+
+def test_compare_without_lm_eval_says_so_before_training(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(evaluate, "lm_eval", None)
+    code = compare.run_main(compare.compare, ["--size=tiny", f"--out_dir={tmp_path / 'cmp'}"])
+    assert_one_error_line(code, capsys.readouterr().err, "lm-evaluation-harness", "--tasks=")
+    assert not (tmp_path / "cmp").exists()  # nothing trained, nothing written
+
+
+# ---------------------------------------------------------------------------- study.py
+
+
+def make_data_folder(path, val, vocab_size=512, eot_id=511):
+    """The smallest folder train.py and study.prepare_one accept: shards, counts, meta.json."""
+    path.mkdir()
+    prep.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
+    prep.write_shard(path / "val_000000.bin", val, vocab_size)
+    np.save(path / "counts.npy", np.bincount(np.arange(1000) % vocab_size, minlength=vocab_size))
+    json.dump(dict(vocab_size=vocab_size, eot_id=eot_id, splits=dict(val=dict(tokens=len(val)))),
+              open(path / "meta.json", "w"))
+
+
+def test_study_val_halves_are_disjoint_and_make_up_the_val_split(tmp_path):
+    rng = np.random.default_rng(0)
+    val = rng.integers(0, 511, 3000)
+    val[rng.choice(3000, 40, replace=False)] = 511  # 40 documents end somewhere in the split
+    val[-1] = 511
+    make_data_folder(tmp_path / "toy", val)
+    study.prepare_one(str(tmp_path / "toy"))
+    tune, final = (np.asarray(prep.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin"))
+                   for half in ("tune", "final"))
+    assert np.array_equal(np.concatenate([tune, final]), val)  # in order, nothing lost or repeated
+    assert tune[-1] == 511 and abs(len(tune) - len(val) / 2) < 300  # cut after a document, near the middle
+    for half in ("tune", "final"):  # both halves train on the same tokens and counts as the source
+        assert os.path.samefile(tmp_path / f"toy-{half}" / "train_000000.bin", tmp_path / "toy" / "train_000000.bin")
+        assert json.load(open(tmp_path / f"toy-{half}" / "meta.json"))["splits"]["val"]["tokens"] == \
+            (len(tune) if half == "tune" else len(final))
+
+
+def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
+    lev = tmp_path / "final" / "lev-a"
+    train_cli(train_data, lev, "--embedding=lev", "--total_tokens=1024", "--lr_input=0.1", "--lr_head=10", "--seed=1")
+    shutil.copytree(lev, tmp_path / "final" / "lev-b")  # a second "seed": the same run, relabelled
+    config = json.load(open(tmp_path / "final" / "lev-b" / "config.json"))
+    config["train"]["seed"] = 2
+    json.dump(config, open(tmp_path / "final" / "lev-b" / "config.json", "w"))
+    tied = tmp_path / "final" / "tied-a"  # a "tied" run whose every evaluation is 0.5 nats above lev's
+    shutil.copytree(lev, tied)
+    config["train"].update(embedding="tied", seed=1, out_dir=str(tied))
+    json.dump(config, open(tied / "config.json", "w"))
+    records = [json.loads(line) for line in open(tied / "log.jsonl")]
+    for r in records:
+        if r["type"] == "eval":
+            r["val_loss"] += 0.5
+    (tied / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    study.table(str(tmp_path))
+    out = capsys.readouterr().out
+    ev = json.load(open(lev / "eval_step2.json"))
+    row = f"| final | lev | 0.003 | x0.1 | x10 | 1 | 2 | 1,024 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} |"
+    assert row in out
+    assert f"| final | lev | 0.003, x0.1, x10 | 2 | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f} " in out
+    assert "final: validation perplexity by the target's training count" in out
+    gap_row = f"| 2 | 1,024 | {ev['val_loss']:.4f} | {ev['val_loss'] + 0.5:.4f} | -0.5000 (-39.3%) |"
+    assert "final: validation loss along training" in out and gap_row in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "expected one of prepare, sweep, table, plot"),
+    (["sweep"], f"sweep needs plans among {', '.join(study.PLANS)}; got none"),
+    (["sweep", "tune", "nope"], "got nope"),
+    (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
+    (["sweep", "tune", "--deadline=25:99"], "--deadline=25:99: expected HH:MM with hours 0-23 and minutes 0-59"),
+    (["sweep", "tune", "--deadline=23:60"], "--deadline=23:60: expected HH:MM with hours 0-23"),
+    (["sweep", "tune", "--part=2"], "--part=2: expected K/N"),
+    (["sweep", "tune", "--part=0/2"], "--part=0/2: expected 1 <= K <= N"),
+    (["table", "--all"], "table takes no options"),
+])
+def test_study_bad_input_is_a_user_error(argv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        study.main(argv)
+
+
+def test_study_sweep_parts_share_the_runs_without_overlap(tmp_path, monkeypatch, capsys):
+    """Two sweeps with --part=1/2 and --part=2/2 start every run of the plan exactly once between
+    them (train.py stood in for by a recorder)."""
+    started = []
+
+    class FinishedAtOnce:
+        def __init__(self, argv, **kwargs):
+            started.append(next(a for a in argv if a.startswith("--out_dir=")))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(study, "STUDY_DIR", str(tmp_path))
+    monkeypatch.setattr(study, "measured_speed", lambda plan: None)
+    monkeypatch.setattr(runs.subprocess, "Popen", FinishedAtOnce)
+    parts = []
+    for k in (1, 2):
+        study.main(["sweep", "tune-long", f"--part={k}/2"])
+        parts.append(set(started))
+        started.clear()
+    planned = {f"--out_dir={out_dir}" for out_dir, _ in study.planned_runs("tune-long")}
+    assert parts[0] and parts[1] and not parts[0] & parts[1] and parts[0] | parts[1] == planned
+
+
+def test_study_bad_input_gives_one_error_line(capsys):
+    assert study.run_main(study.main, ["sweep", "nope"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [f"error: sweep needs plans among {', '.join(study.PLANS)}; got nope"]
+
+
+def test_study_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: import raises ImportError
+    assert study.run_main(study.main, ["plot"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: plot needs matplotlib: pip install matplotlib"]
+
+
+def test_study_runs_from_the_root_and_refuses_a_time_that_does_not_exist():
+    """`python -m experiments.study` as a user runs it from the repository root: a deadline outside
+    00:00-23:59 is one error line and exit status 1, not a traceback or a time rolled over."""
+    r = run_module("study", "sweep", "tune", "--deadline=25:99")
+    assert r.returncode == 1 and r.stdout == ""
+    assert_one_error_line(r.returncode, r.stderr, "--deadline=25:99", "hours 0-23 and minutes 0-59")
+
+
+def test_study_width_rule_finds_a_known_optimum_and_its_power_law(tmp_path, capsys):
+    """Width-sweep runs whose loss is a parabola in log(multiplier) with its vertex at
+    x(D) = x0 (D / 128)^-0.5: the table gives that vertex at each width, the exponent -0.5 and
+    x0 (D / 128)^-0.5 at the paper's widths. A vertex beyond the grid gives the grid's edge."""
+    centre = {("tied", "lr_input"): 20.0, ("untied", "lr_head"): 40.0, ("lev", "lr_head"): 50.0, ("lev", "lr_input"): 0.2}
+    for width in study.WIDTHS:
+        for run in study.multiplier_grid():
+            moved = next(m for a, m, held, value in study.WIDTH_LINES if a == run["arm"] and run[held] == value)
+            best = centre[run["arm"], moved] * (width / 128) ** -0.5
+            out_dir = tmp_path / f"width{width}" / study.run_name(run, study.SEEDS[0])
+            out_dir.mkdir(parents=True)
+            loss = 3 + math.log(run[moved] / best) ** 2
+            prep.write_json(str(out_dir / "eval_step110.json"), {"step": 110, "val_loss": loss})
+    study.width_rule(str(tmp_path))
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tied")]
+    assert len(rows) == 1 and rows[0][-4] == "x20 (D / 128)^-0.50", rows
+    assert "best x28.3" in rows[0][2] and "best x20" in rows[0][3] and "best x14.1" in rows[0][4]
+    assert rows[0][-3:] == ["x8.16", "x7.07", "x5 |"]  # 20 (D / 128)^-0.5 at 768, 1024, 2048
+    assert study.best_multiplier([10.0, 30.0, 100.0], [3.0, 2.9, 2.8]) == 100.0  # the edge, not beyond
+
+
+def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
+    study.table(str(tmp_path))
+    out = capsys.readouterr().out
+    assert out.startswith("| plan | arm | lr | input lr | head lr | seed | steps | tokens | val loss | val ppl |")
+    assert "Mean over seeds" in out and "validation perplexity by the target's training count" not in out
+
+
+# ---------------------------------------------------------------------------- bench.py
+
+
+def test_bench_options_out_of_range_are_one_error_line():
+    for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch")]:
+        r = run_module("bench", *args)
+        assert_one_error_line(r.returncode, r.stderr, phrase)
+    if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one
+        r = run_module("bench", "gpu")
+        assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU")
+
+
+def test_bench_gpu_verdict_passes_and_fails_each_check():
+    """`bench.py gpu`'s verdict is a function of its figures alone: every figure at its threshold
+    passes; one above it, or not measured (None), fails that check alone, in one line; a crashed run
+    fails as a run."""
+    runs = {name: {"exit": 0, "error": None} for name in ("200m-whole", "200m-stopped", "200m-resumed", "200m-ddp", "1.2b")}
+    checks = {check: bench.threshold(check) for check in ("resume", "ddp", "eager", "memory 200m", "memory 200m ddp",
+                                                          "memory 1.2b", "lev_share")}
+    assert bench.gpu_failures({"runs": runs, "checks": checks}) == []
+    over = {"resume": (5e-7, "5e-07 vs 0"), "ddp": (1.5e-3, "0.0015 vs 0.001"), "eager": (1, "1 vs 0"),
+            "memory 200m": (10.0, "10.0 GB vs 9.9 GB"), "memory 200m ddp": (10.0, "10.0 GB vs 9.9 GB"),
+            "memory 1.2b": (42.0, "42.0 GB vs 41.8 GB"), "lev_share": (0.051, "5.1% vs 5.0%")}
+    for check, (figure, text) in over.items():
+        assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: figure}}) == [f"FAIL {check}: {text}"]
+        assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: None}}) == [
+            f"FAIL {check}: not measured vs {text.split(' vs ')[1]}"]
+    crashed = {**runs, "1.2b": {"exit": 1, "error": "error: CUDA out of memory"}}
+    assert bench.gpu_failures({"runs": crashed, "checks": {**checks, "memory 1.2b": None, "lev_share": None}}) == [
+        "FAIL run 1.2b: exit status 1 (error: CUDA out of memory) vs 0", "FAIL memory 1.2b: not measured vs 41.8 GB",
+        "FAIL lev_share: not measured vs 5.0%"]
+
+
+def test_bench_gpu_names_what_a_failed_run_said():
+    """A crashed run's FAIL line carries train.py's error line, or the exception of a traceback: a
+    worker's under torchrun, not torchrun's own that follows it."""
+    assert bench.error_line("config: {}\n[rank0]: error: no prepared data in x\n") == "error: no prepared data in x"
+    torchrun = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"train.py\", line 1\n"
+                "[rank1]: torch.OutOfMemoryError: CUDA out of memory.\nE1201 12:00:00 failed (exitcode: 1)\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\n")
+    assert bench.error_line(torchrun) == "torch.OutOfMemoryError: CUDA out of memory."
+    assert bench.error_line("step 1/10\nKilled\n") == "Killed" and bench.error_line("") == "no output"
+
+
+def test_bench_gpu_memory_estimates_match_the_readme():
+    """`bench.py gpu` holds peak memory to the README's estimates: both must give the same figures."""
+    readme = Path(HERE, "README.md").read_text()
+    rows = re.findall(r"^\| (\S+) \| [^|\n]+ \| [^|\n]+ \| ~(\d+) GB \| ~(\d+) GB \|$", readme, re.M)
+    assert {size: (int(one), int(ddp)) for size, one, ddp in rows} == bench.MEMORY_ESTIMATE_GB
+
+
+def bench_gpu_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir):
+    """`bench.py gpu --toy` (the whole acceptance test on a CPU, a micro model in place of 200m and 1.2b)
+    in this process, its train.py runs in their own, where datasets, zstandard and pyarrow cannot be
+    imported (a cluster may lack them): (exit status, output lines, the figures from --json)."""
+    blocked = tmp_path / "blocked"
+    for name in ("datasets", "zstandard", "pyarrow"):
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+    monkeypatch.chdir(HERE)
+    for name, value in {**SCRIPT_ENV, "PYTHONPATH": f"{blocked}{os.pathsep}{HERE}"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(leviathan.Fused, "warned", False)  # an earlier test's warning is not this run's
+    try:
+        bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
+                     f"--json={tmp_path / 'figures.json'}"])
+        code = 0
+    except SystemExit as e:  # a failed check
+        code = e.code
+    return code, capsys.readouterr().out.strip().splitlines(), json.loads((tmp_path / "figures.json").read_text())
+
+
+def test_bench_gpu_runs_whole_on_a_cpu_toy(train_data, tmp_path, monkeypatch, capsys):
+    """Every run ends well, the resumed run repeats the uninterrupted one's losses bit for bit, every
+    figure reaches --json, the FAIL lines printed are gpu_failures' of them, the exit status and the
+    last line agree with them, and the run folder is gone."""
+    code, lines, figures = bench_gpu_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+    assert {name: run["exit"] for name, run in figures["runs"].items()} == {
+        "200m-whole": 0, "200m-stopped": 0, "200m-resumed": 0, "1.2b": 0}, lines
+    assert figures["checks"]["resume"] == 0.0 and figures["checks"]["eager"] == 0
+    assert set(figures["skipped"]) == {"ddp", "memory"}
+    assert all(run["checkpoint_gb"] is not None for run in figures["runs"].values())  # their lines were read
+    assert figures["speed"]["1.2b"]["tokens_per_s"] > 0 and figures["lev"]["distinct_ids"] > 1
+    failures = bench.gpu_failures(figures)
+    assert failures == figures["failures"] and [line for line in lines if line.startswith("FAIL ")] == failures
+    assert lines[-1].startswith("FAIL: " if failures else "PASS: ") and code == (1 if failures else 0)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bench_gpu_refuses_a_full_folder_and_fails_cleanly_when_runs_crash(train_data, tmp_path, monkeypatch, capsys):
+    """A run folder that is not empty is refused before anything runs. When train.py crashes (here:
+    data without shards), every figure still reaches --json, the run folder is deleted, each failed
+    check is one FAIL line (a run's with train.py's error line), FAIL comes last, exit status 1."""
+    broken, full = tmp_path / "broken", tmp_path / "full"
+    broken.mkdir()
+    shutil.copy(train_data / "meta.json", broken / "meta.json")
+    full.mkdir()
+    (full / "mine.txt").write_text("kept")
+    with pytest.raises(UserError, match="not an empty folder"):
+        bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={broken}", f"--out_dir={full}"])
+    assert (full / "mine.txt").exists()
+    code, lines, figures = bench_gpu_toy(broken, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+    assert code == 1 and [line for line in lines if line.startswith("FAIL ")] == figures["failures"]
+    assert lines[-1].startswith("FAIL: ") and "FAIL resume: not measured vs 0" in figures["failures"]
+    assert any(line.startswith("FAIL run 1.2b: exit status 1 (error: ") and "no train shards" in line
+               for line in figures["failures"])
+    assert not (tmp_path / "runs").exists()
+
+
