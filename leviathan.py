@@ -353,12 +353,8 @@ def linear_cross_entropy(x, weight, targets):
     return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
 
 
-# A custom operator, so that torch.compile treats the loss as one opaque call: traced, its loop
-# would be unrolled and inductor would keep a [V, D] partial of dL/dW per chunk alive (~0.8 GB
-# each in bf16 at 1.2b), so the memory would depend on how many chunks the micro-batch makes.
-@torch.library.custom_op("leviathan::chunked_cross_entropy", mutates_args=())
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                          with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                 with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads."""
     n = len(x)
     w = weight.to(dtype)
@@ -366,21 +362,38 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     grad_x = torch.empty_like(x) if with_grads else x.new_empty(0)
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grads else x.new_empty(0)
     for c in loss_chunks(n, len(w)):
-        x_c, target_c = x[c].to(w.dtype), targets[c]
-        logits = F.linear(x_c, w).float()
-        lse = logits.logsumexp(-1)
-        total += (lse - logits.gather(1, target_c[:, None]).squeeze(1)).sum()
-        if not with_grads:
-            continue
-        g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-        g.scatter_add_(1, target_c[:, None], torch.full_like(g[:, :1], -1.0))
-        g = g.div_(n).to(w.dtype)
-        grad_x[c] = g @ w
-        if g.dtype == grad_w.dtype:
-            grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
-        else:
-            grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+        total += chunk_cross_entropy(x[c].to(w.dtype), w, targets[c], n, grad_x[c] if with_grads else None, grad_w)
     return total / n, grad_x, grad_w
+
+
+def chunk_cross_entropy(x_c, w, target_c, n, grad_x_c, grad_w):
+    """One chunk: its summed loss, and (given grad_x_c) its share of dL/dx written there and of
+    dL/dW added to grad_w. A function of its own so that the chunk's [chunk, V] tensors are freed
+    before the next chunk's are made; the softmax is made in place of the logits, so at most one
+    float32 [chunk, V] and its bf16 copy for the matmuls exist at a time."""
+    logits = F.linear(x_c, w).float()
+    top = logits.amax(-1, keepdim=True)
+    target_logit = logits.gather(1, target_c[:, None])
+    exps = logits.sub_(top).exp_()  # in place: exp(logit - max), nothing overflows
+    sums = exps.sum(-1, keepdim=True)
+    loss = (sums.log() + top - target_logit).sum()  # log-sum-exp minus the target's logit
+    if grad_x_c is None:
+        return loss
+    g = exps.div_(sums * n)  # softmax / N, still in place
+    g.scatter_add_(1, target_c[:, None], torch.full_like(target_logit, -1.0 / n))  # - onehot / N
+    g = g.to(w.dtype)
+    grad_x_c.copy_(g @ w)
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
+    else:
+        grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+    return loss
+
+
+# chunked_loss as a custom operator, so that torch.compile treats the loss as one opaque call: traced,
+# its loop would be unrolled and inductor would keep a [V, D] partial of dL/dW per chunk alive (~0.8 GB
+# each in bf16 at 1.2b), so the memory would depend on how many chunks the micro-batch makes.
+chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss, mutates_args=())
 
 
 @chunked_cross_entropy.register_fake

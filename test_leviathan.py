@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import re
+import weakref
 import subprocess
 import sys
 
@@ -609,6 +610,44 @@ def test_the_loss_backward_makes_no_zeros_for_its_unused_outputs():
     with ShapeCensus(w.shape) as census:
         loss.backward()
     assert not [op for op in census.ops if op.startswith(("zeros", "full", "fill"))], census.ops
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes that tensors made under this mode held at once (each storage counted once,
+    until it is freed; views of the inputs not counted): what a loss holds in flight, on a CPU."""
+
+    def __init__(self, *inputs):
+        super().__init__()
+        self.live, self.peak = {}, 0
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {ptr: (ref, size) for ptr, (ref, size) in self.live.items() if ref() is not None}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.inputs:
+                storage = t.untyped_storage()
+                self.live.setdefault(storage.data_ptr(), (weakref.ref(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(size for _, size in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_holds_one_chunk_of_logits_at_a_time(monkeypatch, dtype):
+    """In flight inside the loss: its outputs (dL/dx, a float32 dL/dW), the head cast to dtype, one
+    [V, D] product for dL/dW (bf16 only), and one chunk's float32 logits (then softmax, in place)
+    with its dtype copy, however many chunks there are."""
+    n, V, D, chunk = 96, 4096, 8, 16  # the [chunk, V] tensors outweigh the [V, D] ones
+    monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 6 chunks
+    x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
+    with LiveBytes(x, w, targets) as tracker:  # the op's body: under the op, the mode would see one call
+        leviathan.chunked_loss(x, w, targets, dtype, True)
+    size = torch.finfo(dtype).bits // 8
+    outputs, head = n * D * 4 + V * D * 4, (V * D * size if dtype != torch.float32 else 0)
+    product = V * D * size if dtype != torch.float32 else 0
+    one_chunk = chunk * V * (4 + (size if dtype != torch.float32 else 0))
+    assert tracker.peak <= outputs + head + product + one_chunk + 64 * chunk * D, tracker.peak
+    assert tracker.peak >= outputs + one_chunk  # it did measure the chunk
 
 
 def test_compiler_sees_the_loss_as_one_opaque_call(monkeypatch):
