@@ -11,6 +11,7 @@ Inference choices, each explained where it is made below:
 - Padding ids (the vocabulary rounded up to a multiple of 128) are never sampled.
 """
 import os, sys, time
+from contextlib import nullcontext
 
 import torch
 
@@ -78,6 +79,14 @@ def load_model(out_dir, device="cpu"):
 
 
 
+def inference_precision(device, bf16=None):
+    """The context a trained model runs in for inference: bf16 autocast, as in training, on a GPU
+    (the head's matmuls in bf16, LEV and the softmax in float32); float32 on a CPU. bf16=True or
+    False overrides the device's default."""
+    on = torch.device(device).type == "cuda" if bf16 is None else bf16
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else nullcontext()
+
+
 def check_device(name):
     """Refuse a --device this machine cannot use, in one line."""
     import torch  # here, not at the top: prepare_data.py never pays for importing torch
@@ -139,6 +148,8 @@ def parse_args(argv):
                         help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--compile", type=parse_bool, nargs="?", const=True, default=False,
                         help="torch.compile LEV (before freezing it) and the forward pass")
+    parser.add_argument("--bf16", type=parse_bool, nargs="?", const=True, default=None,
+                        help="bf16 autocast, as in training (default: on for CUDA, off for CPU)")
     args = parser.parse_args(argv)
     if not args.temperature >= 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -186,7 +197,8 @@ def sample(args):
     for i in range(args.num_samples):
         sys.stdout.write("---------------\n" if i else "")
         start = time.perf_counter()
-        n = print_sample(model, tok, prompt, ids, args, generator)
+        with inference_precision(args.device, args.bf16):
+            n = print_sample(model, tok, prompt, ids, args, generator)
         print(f"# sample {i + 1}: {n} tokens, {n / (time.perf_counter() - start):.1f} tokens/s", file=sys.stderr)
 
 

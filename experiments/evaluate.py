@@ -27,8 +27,8 @@ import json, os, sys
 
 import torch
 
-from prepare_data import ArgumentParser, UserError, run_main, write_json
-from sample import check_device, load_model
+from prepare_data import ArgumentParser, UserError, parse_bool, run_main, write_json
+from sample import check_device, inference_precision, load_model
 
 try:
     import lm_eval
@@ -60,9 +60,9 @@ def scoring_windows(prefix, scored, seq_len):
 class LeviathanLM(LM):
     """Our Model behind lm-eval's model interface: log-likelihoods of text, no generation."""
 
-    def __init__(self, model, tokenizer, batch_size=16):
+    def __init__(self, model, tokenizer, batch_size=16, bf16=None):
         super().__init__()
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.model, self.tokenizer, self.batch_size, self.bf16 = model, tokenizer, batch_size, bf16
         self.seq_len = model.cfg.seq_len
         self._device = model.head.weight.device
 
@@ -110,7 +110,8 @@ class LeviathanLM(LM):
         inputs = torch.full((len(windows), width), self.tokenizer.eot, dtype=torch.long)
         for row, (tokens, _) in enumerate(windows):
             inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-        logits = self.model(inputs.to(self._device))  # [B, T, V], float32
+        with inference_precision(self._device, self.bf16):  # the training precision
+            logits = self.model(inputs.to(self._device))  # [B, T, V], float32
         scores = []
         for row, (tokens, n) in enumerate(windows):
             # logits at input position p predict tokens[p + 1]; keep the last n real positions,
@@ -210,6 +211,8 @@ def parse_args(argv):
                         help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--bf16", type=parse_bool, nargs="?", const=True, default=None,
+                        help="bf16 autocast, as in training (default: on for CUDA, off for CPU)")
     parser.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
     args = parser.parse_args(argv)
     if (args.out_dir is None) == (args.compare is None):
@@ -236,7 +239,7 @@ def evaluate(args):
                         f"{len(task_manager.all_tasks)} (lm-eval ls tasks lists them); "
                         "your own YAML tasks need --include_path")
     model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
-    adapter = LeviathanLM(model, tokenizer, args.batch_size)
+    adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
     try:
         output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=task_manager,
                                          limit=args.limit, log_samples=False)

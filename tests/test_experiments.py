@@ -139,6 +139,18 @@ def test_loglikelihood_equals_the_models_log_probs(eval_model):
     assert moved[0][0] == pytest.approx(expected[0], abs=1e-5)
 
 
+def test_bf16_scores_agree_with_float32(eval_model):
+    """On a GPU the adapter scores in bf16 autocast, the training precision: the log-likelihoods
+    stay within 2% (and 0.05 nats a token) of float32's, here run on the CPU."""
+    model, tok = eval_model
+    requests = [Request("The cat sat on", " the mat"), Request("A dog", " walked to the river and found some bread")]
+    exact = LeviathanLM(model, tok, bf16=False).loglikelihood(requests)
+    fast = LeviathanLM(model, tok, bf16=True).loglikelihood(requests)
+    for (a, _), (b, _), request in zip(exact, fast, requests):
+        tokens = len(tok.encode(request.args[1]))
+        assert a != b and abs(a - b) <= max(0.02 * abs(a), 0.05 * tokens), (a, b)  # bf16 did run
+
+
 def repeatable_token(tok, text):
     """The id of `text` if it encodes to one id, also when repeated."""
     ids = tok.encode(text * 3)
