@@ -13,6 +13,7 @@ on the figures (timings vary by machine); `gpu` checks its own against threshold
 import argparse
 import dataclasses
 import itertools
+import json
 import math
 import multiprocessing
 import os
@@ -313,8 +314,12 @@ def bench_loss(args, device):
 #   200m with --deterministic, 4 micro-batches (32,768 tokens) a step: a run of 10 steps and, beside it,
 #     one stopped at step 5 and then resumed (the resume check); with 2+ GPUs the 10 steps also on 2 GPUs
 #     (the DDP check). Memory: the uninterrupted run and, with DDP, its rank 0. Speed: the resumed half.
-#   1.2b as a user runs it, 2 micro-batches (16,384 tokens) a step, 6 steps: memory, speed, and the
-#     micro-step that LEV's share is taken of.
+#   1.2b as a user runs it, 2 micro-batches (16,384 tokens) a step, 6 steps: memory, speed (the MFU
+#     floor), and the micro-step that LEV's share is taken of.
+# Before the runs, two references on the GPU itself (the runs compare only the GPU with itself):
+# LEV's fast path against generate_reference in float64 at the 1.2b LEV, and the chunked loss
+# against F.cross_entropy under bf16 autocast at the 1.2b head. From the 200m lev run's log: its
+# first loss against ln V (a zero head) and its last against its first (it learns).
 # Two micro-batches or more a step: the peak comes in a micro-step after the first, with the earlier
 # ones' gradients held beside the activations, as in real training (the README's estimates count them).
 # No run reaches its end (--total_tokens is 1000 steps; each stops at --stop_step, saving a checkpoint),
@@ -332,7 +337,8 @@ def bench_loss(args, device):
 #   total    with a slow disk: data 10 s + the first two 200m runs, side by side (start 10, compile 90,
 #            steps 3, two saves on one disk 25) 130 s + the resumed half (start 10, load 3, compile 30,
 #            steps 2, save 12) 55 s + 1.2b (start and build 20, compile 120, steps 3, save 75) 220 s +
-#            LEV alone (its compilation, partly cached) 40 s = 455 s, 7.6 min. With NVMe ~360 s, 6 min.
+#            LEV alone (its compilation, partly cached) 40 s + the references (LEV's kernels compiled,
+#            ~25 GB of float32 logits and gradients) 30 s = 485 s, 8 min. With NVMe ~390 s, 6.5 min.
 #            With 2+ GPUs the DDP run (a graph of its own to compile) joins the first two: ~+0.5 min.
 
 def saved_by_compiled_graph(cfg, tokens):
@@ -428,7 +434,31 @@ THRESHOLDS = {
     # of the o200k step on a CPU). 5% catches LEV off its fast path (phi written to memory, eager
     # kernels, a wait per chunk) and leaves room for launch overheads; the paper's v1 cost 23-51%.
     "lev_share": 0.05,
+    # lev_reference: LEV's fast path on this GPU (fused kernels, float32) against generate_reference in
+    # float64 at the 1.2b LEV, 256 ids: the largest error of E and of each parameter's gradient, relative
+    # to that tensor's largest entry. Float32 rounding of a 128-factor product gives ~1e-6; a wrong
+    # kernel (an index, a slope, a chunk boundary) gives O(1). The CPU tests hold the same to 1e-5.
+    "lev_reference": 1e-4,
+    # loss_reference: the chunked loss under bf16 autocast against F.cross_entropy on the whole logits
+    # under the same autocast, at the 1.2b head and a micro-batch: the loss's relative error and the
+    # largest error of dL/dx and dL/dW relative to each one's largest entry. Both round the softmax's
+    # gradient to bf16 for the matmuls (~4e-3 relative); a chunk lost or counted twice gives O(1).
+    "loss_reference": 2e-2,
+    # first_loss: |the first logged loss - ln V| of the 200m lev run. Its head starts at zero, so every
+    # logit is 0 and the loss is ln V to float32 rounding; anything else means the head did not start at
+    # zero, the loss is not the mean, or padding ids count wrongly.
+    "first_loss": 1e-3,
+    # loss_falls: the 200m run's loss at its last step over its first (10 steps of lr 6e-4 after 2 of
+    # warmup, the demo corpus): a model that learns falls well below 0.9; gradients that do not reach
+    # the weights leave it near 1.
+    "loss_falls": 0.9,
+    # mfu 1.2b (a floor: it fails below): the 1.2b run's median model FLOPs utilisation on one GPU,
+    # compiled, bf16, micro-batch 16 x 512. Dense bf16 matmuls of this size reach 35-50% of an H100's
+    # peak; 20% leaves room for LEV, the loss's eager chunks and a short run's noise, and catches the
+    # model running eagerly, a graph break per layer or a host sync per kernel (all well below it).
+    "mfu 1.2b": 0.20,
 }
+FLOORS = {"mfu 1.2b"}  # checks that fail below their threshold; the others fail above it
 
 # LEV's cost grows with the distinct ids of a micro-batch, so its share is measured on ids drawn with
 # P(rank r) ~ r^-ZIPF_EXPONENT over the vocabulary, the ranks shuffled over the ids. Zipf's law with
@@ -487,10 +517,14 @@ def measure_gpu(args, device, figures):
     checks.update({"resume": None, **({"ddp": None} if ddp else {}), "eager": None})
     if cuda:
         checks.update({"memory 200m": None, **({"memory 200m ddp": None} if ddp else {}), "memory 1.2b": None})
-    checks["lev_share"] = None
+    checks.update({"lev_share": None, "lev_reference": None, "loss_reference": None, "first_loss": None,
+                   "loss_falls": None, **({"mfu 1.2b": None} if cuda else {})})
     figures["skipped"].update({} if ddp else {"ddp": "one GPU (DDP needs 2)"})
-    figures["skipped"].update({} if cuda else {"memory": "no CUDA allocator on a CPU"})
+    figures["skipped"].update({} if cuda else {"memory": "no CUDA allocator on a CPU",
+                                               "mfu 1.2b": "no peak FLOP/s for a CPU"})
     prepare_o200k_demo(args.data_dir)
+    checks["lev_reference"] = lev_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
+    checks["loss_reference"] = loss_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
     outputs = train_runs(args, device, ddp, figures["runs"])
     read_runs(args.out_dir, outputs, figures)
     figures["lev"] = lev_figures(args.data_dir, device, shape_of("1.2b", args.toy))
@@ -556,6 +590,13 @@ def read_runs(out_dir, outputs, figures):
             checks[check] = figures["runs"][name]["peak_reserved_gb"]
     figures["speed"] = {"200m-resumed": speed(by_run["200m-resumed"], micro_batches=4),
                         "1.2b": speed(by_run["1.2b"], micro_batches=2)}
+    whole = logs["200m-whole"]
+    if whole:
+        vocab_size = json.load(open(os.path.join(out_dir, "200m-whole", "config.json")))["model"]["vocab_size"]
+        checks["first_loss"] = abs(whole[0]["loss"] - math.log(vocab_size)) if whole[0]["step"] == 1 else None
+        checks["loss_falls"] = whole[-1]["loss"] / whole[0]["loss"] if whole[-1]["step"] == STEPS else None
+    if "mfu 1.2b" in checks and figures["speed"]["1.2b"]:
+        checks["mfu 1.2b"] = figures["speed"]["1.2b"]["mfu"]
 
 
 def prepare_o200k_demo(data_dir):
@@ -647,6 +688,55 @@ def zipf_ids(vocab_size, shape, exponent, seed=0):
     return torch.randperm(vocab_size, generator=generator)[ranks].view(shape)
 
 
+def shape_config(data_dir, shape):
+    """The lev model of a shape (a size, or TOY) at the data's vocabulary."""
+    vocab_size = load_meta(data_dir)["vocab_size"]
+    model_fields = {f.name for f in dataclasses.fields(Config)}
+    return size_model(shape["size"], vocab_size=padded_vocab(vocab_size),
+                      **{key: value for key, value in shape.items() if key in model_fields})
+
+
+def relative_error(got, want):
+    """The largest |got - want|, relative to want's largest entry."""
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def lev_reference_error(data_dir, device, shape):
+    """LEV's fast path on the device against generate_reference in float64 (THRESHOLDS): the largest
+    relative error of E and of every parameter's gradient, for 256 distinct Zipf ids."""
+    cfg = shape_config(data_dir, shape)
+    ids = zipf_ids(cfg.vocab_size, (4096,), ZIPF_EXPONENT).unique()[:256].to(device)
+    torch.manual_seed(0)
+    lev = LEV.from_config(cfg).to(device)
+    reference = LEV.from_config(cfg).to(device, torch.float64)
+    reference.load_state_dict(lev.state_dict())
+    probe = torch.randn(len(ids), cfg.d_model, device=device, dtype=torch.float64)  # dL/dE, the same for both
+    fast, exact = lev.generate(ids), reference.generate_reference(ids)
+    (fast * probe.float()).sum().backward()
+    (exact * probe).sum().backward()
+    errors = [relative_error(fast, exact)] + [relative_error(p.grad, q.grad) for p, q in
+                                               zip(lev.parameters(), reference.parameters())]
+    return max(errors)
+
+
+def loss_reference_error(data_dir, device, shape):
+    """The chunked loss under bf16 autocast against F.cross_entropy on the whole logits under the same
+    autocast (THRESHOLDS): the largest relative error of the loss, dL/dx and dL/dW, for one micro-batch
+    of the shape's tokens at its head."""
+    cfg = shape_config(data_dir, shape)
+    tokens = math.prod(micro_batch_shape(shape))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, cfg.d_model, generator=generator).to(device).requires_grad_()
+    w = (0.02 * torch.randn(cfg.vocab_size, cfg.d_model, generator=generator)).to(device).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (tokens,), generator=generator).to(device)
+    results = []
+    for loss_fn in (linear_cross_entropy, lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t)):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn(x, w, targets)
+        results.append((loss.detach(), *torch.autograd.grad(loss, (x, w))))
+    return max(relative_error(got, want) for got, want in zip(*results))
+
+
 def lev_figures(data_dir, device, shape):
     """LEV's forward and backward for one micro-batch of the shape, of Zipf-distributed ids over the
     data's vocabulary, as the model runs it: compiled on CUDA (as train.py does it), under bf16
@@ -689,7 +779,7 @@ def shown(check, value):
     """A check's figure or threshold as printed."""
     if check.startswith("memory"):
         return f"{value:.1f} GB"
-    return f"{value:.1%}" if check == "lev_share" else f"{value:.3g}"
+    return f"{value:.1%}" if check in ("lev_share", "mfu 1.2b") else f"{value:.3g}"
 
 
 def check_lines(figures):
@@ -699,7 +789,8 @@ def check_lines(figures):
               + " vs 0") for name, run in figures["runs"].items()]
     for check, figure in figures["checks"].items():
         limit = threshold(check)
-        lines.append((figure is not None and figure <= limit,
+        within = figure is not None and (figure >= limit if check in FLOORS else figure <= limit)
+        lines.append((within,
                       f"{check}: {'not measured' if figure is None else shown(check, figure)} vs {shown(check, limit)}"))
     return lines
 
