@@ -5,12 +5,14 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -497,3 +499,28 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path):
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
+
+
+def readme_torchrun_options():
+    """The options before train.py in every torchrun line of the README's bash blocks."""
+    text = Path(HERE, "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = [line.split("#")[0] for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    launches = [line.split("torchrun", 1)[1].split("train.py")[0] for line in lines if "torchrun" in line]
+    return launches, {token.split("=")[0] for launch in launches for token in launch.split() if token.startswith("--")}
+
+
+def test_every_torchrun_option_in_the_readme_exists_in_this_torch():
+    """torchrun stops with "unrecognized arguments" before train.py runs: every option the README
+    gives it must be one this torch's torchrun knows, unless the README says it needs a newer torch."""
+    import torch.distributed.run as torchrun
+    known = {s for action in torchrun.get_args_parser()._actions for s in action.option_strings}
+    launches, options = readme_torchrun_options()
+    text = Path(HERE, "README.md").read_text()
+    since = dict(re.findall(r"`(--[\w-]+)` exists in torchrun from PyTorch (\d+\.\d+)", text)
+                 + re.findall(r"and `(--[\w-]+)` from (\d+\.\d+)", text))
+    assert set(since) == {"--shutdown-timeout", "--signals-to-handle"}, since
+    this = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    needed = {o for o in options if tuple(int(part) for part in since.get(o, "2.4").split(".")) <= this}
+    assert len(launches) >= 3 and "--nproc_per_node" in needed
+    assert needed <= known, needed - known
