@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from leviathan import EMBEDDINGS, Config, Model, padded_vocab
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, parse_bool, parse_number, print_error,
@@ -246,6 +247,7 @@ class Run:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     autocast: object = nullcontext()
+    compiled: bool = False
     writer: "CheckpointWriter | None" = None
     wandb: object = None
     peak_flops: float | None = None  # per GPU, for MFU
@@ -462,7 +464,8 @@ def build(run):
         run.ckpt = None  # nothing else is needed: let the full state dict go
     bf16 = config.bf16 if config.bf16 is not None else cuda
     run.autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    if config.compile if config.compile is not None else cuda:
+    run.compiled = config.compile if config.compile is not None else cuda
+    if run.compiled:
         run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
     run.model = run.raw_model
     if run.world > 1:
@@ -623,6 +626,9 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
     if run.peak_flops:
         record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (run.peak_flops * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
+    if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
+        record["graphs"] = counters["stats"]["unique_graphs"]
+        record["graph_breaks"] = sum(counters["graph_break"].values())
     if run.device.type == "cuda":  # reserved: what the allocator holds, the figure that must fit the GPU
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
         record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9

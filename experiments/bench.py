@@ -457,6 +457,14 @@ THRESHOLDS = {
     # peak; 20% leaves room for LEV, the loss's eager chunks and a short run's noise, and catches the
     # model running eagerly, a graph break per layer or a host sync per kernel (all well below it).
     "mfu 1.2b": 0.20,
+    # graph_breaks 1.2b: graph breaks TorchDynamo met in the 1.2b run (train.py logs its counters).
+    # LEV.forward and the product are kept out of the graphs on purpose (leviathan.py, "What
+    # torch.compile sees"): a handful. One per block would be 16 or more.
+    "graph_breaks 1.2b": 10,
+    # recompiles 1.2b: graphs compiled after the run's second step, when every shape has been met
+    # (LEV's generator is compiled for any number of ids): a guard that a new id bucket fails may cost
+    # one or two; a graph per step means the shapes are not bounded.
+    "recompiles 1.2b": 2,
 }
 FLOORS = {"mfu 1.2b"}  # checks that fail below their threshold; the others fail above it
 
@@ -518,10 +526,12 @@ def measure_gpu(args, device, figures):
     if cuda:
         checks.update({"memory 200m": None, **({"memory 200m ddp": None} if ddp else {}), "memory 1.2b": None})
     checks.update({"lev_share": None, "lev_reference": None, "loss_reference": None, "first_loss": None,
-                   "loss_falls": None, **({"mfu 1.2b": None} if cuda else {})})
+                   "loss_falls": None,
+                   **({"mfu 1.2b": None, "graph_breaks 1.2b": None, "recompiles 1.2b": None} if cuda else {})})
     figures["skipped"].update({} if ddp else {"ddp": "one GPU (DDP needs 2)"})
     figures["skipped"].update({} if cuda else {"memory": "no CUDA allocator on a CPU",
-                                               "mfu 1.2b": "no peak FLOP/s for a CPU"})
+                                               "mfu 1.2b": "no peak FLOP/s for a CPU",
+                                               "compiler": "the runs are not compiled on a CPU"})
     prepare_o200k_demo(args.data_dir)
     checks["lev_reference"] = lev_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
     checks["loss_reference"] = loss_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
@@ -597,6 +607,10 @@ def read_runs(out_dir, outputs, figures):
         checks["loss_falls"] = whole[-1]["loss"] / whole[0]["loss"] if whole[-1]["step"] == STEPS else None
     if "mfu 1.2b" in checks and figures["speed"]["1.2b"]:
         checks["mfu 1.2b"] = figures["speed"]["1.2b"]["mfu"]
+    compiled = [r for r in logs["1.2b"] if "graphs" in r]
+    if "graph_breaks 1.2b" in checks and len(compiled) >= 2:
+        checks["graph_breaks 1.2b"] = compiled[-1]["graph_breaks"]
+        checks["recompiles 1.2b"] = compiled[-1]["graphs"] - compiled[1]["graphs"]
 
 
 def prepare_o200k_demo(data_dir):

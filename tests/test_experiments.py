@@ -514,14 +514,16 @@ def test_bench_gpu_verdict_passes_and_fails_each_check():
     runs = {name: {"exit": 0, "error": None} for name in ("200m-whole", "200m-stopped", "200m-resumed", "200m-ddp", "1.2b")}
     checks = {check: bench.threshold(check) for check in ("resume", "ddp", "eager", "memory 200m", "memory 200m ddp",
                                                           "memory 1.2b", "lev_share", "lev_reference", "loss_reference",
-                                                          "first_loss", "loss_falls", "mfu 1.2b")}
+                                                          "first_loss", "loss_falls", "mfu 1.2b",
+                                                          "graph_breaks 1.2b", "recompiles 1.2b")}
     assert bench.gpu_failures({"runs": runs, "checks": checks}) == []
     over = {"resume": (5e-7, "5e-07 vs 0"), "ddp": (1.5e-3, "0.0015 vs 0.001"), "eager": (1, "1 vs 0"),
             "memory 200m": (10.0, "10.0 GB vs 9.9 GB"), "memory 200m ddp": (10.0, "10.0 GB vs 9.9 GB"),
             "memory 1.2b": (42.0, "42.0 GB vs 41.8 GB"), "lev_share": (0.051, "5.1% vs 5.0%"),
             "lev_reference": (2e-4, "0.0002 vs 0.0001"), "loss_reference": (0.03, "0.03 vs 0.02"),
             "first_loss": (0.01, "0.01 vs 0.001"), "loss_falls": (0.95, "0.95 vs 0.9"),
-            "mfu 1.2b": (0.19, "19.0% vs 20.0%")}  # a floor: below it fails
+            "mfu 1.2b": (0.19, "19.0% vs 20.0%"),  # a floor: below it fails
+            "graph_breaks 1.2b": (11, "11 vs 10"), "recompiles 1.2b": (3, "3 vs 2")}
     for check, (figure, text) in over.items():
         assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: figure}}) == [f"FAIL {check}: {text}"]
         assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: None}}) == [
@@ -582,7 +584,7 @@ def test_bench_gpu_runs_whole_on_a_cpu_toy(train_data, tmp_path, monkeypatch, ca
     checks = figures["checks"]  # the references, and the 200m-like run's first and last losses
     assert checks["lev_reference"] < 1e-5 and 0 < checks["loss_reference"] < 2e-2, checks
     assert checks["first_loss"] < 1e-4 and checks["loss_falls"] < 0.9, checks
-    assert set(figures["skipped"]) == {"ddp", "memory", "mfu 1.2b"}
+    assert set(figures["skipped"]) == {"ddp", "memory", "mfu 1.2b", "compiler"}
     assert all(run["checkpoint_gb"] is not None for run in figures["runs"].values())  # their lines were read
     assert figures["speed"]["1.2b"]["tokens_per_s"] > 0 and figures["lev"]["distinct_ids"] > 1
     failures = bench.gpu_failures(figures)

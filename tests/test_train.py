@@ -167,6 +167,10 @@ def test_compiled_bf16_training_on_cpu_and_eager_resume(train_data, tmp_path, re
     assert compiled[1][0] == pytest.approx(math.log(512), abs=0.05)  # zero-initialised head
     for step in (1, 2, 3):  # bf16 rounding only: the same training as the float32 run
         assert compiled[step][0] == pytest.approx(reference_run[step][0], abs=0.03), step
+    records = [json.loads(line) for line in open(out / "log.jsonl")]
+    graphs = [r["graphs"] for r in records if r["type"] == "train"]
+    assert graphs[0] >= 1 and graphs[-1] == graphs[1], graphs  # no graph compiled after the second step
+    assert all(r["graph_breaks"] <= 10 for r in records if r["type"] == "train"), records
     train_cli(train_data, out, *RUN, "--resume")
     resumed = logged_losses(out)
     assert len(resumed) == STEPS and resumed[STEPS][0] == pytest.approx(reference_run[STEPS][0], abs=0.05)
