@@ -11,6 +11,7 @@ step by step so that a machine slowing down affects all of them alike. No test d
 on the figures (timings vary by machine); `gpu` checks its own against thresholds.
 """
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -501,7 +502,7 @@ def bench_gpu(args, device):
     start = time.time()
     figures = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    gpus=torch.cuda.device_count() if device.type == "cuda" else 1, torch=torch.__version__,
-                   toy=args.toy, runs={}, checks={}, skipped={})
+                   toy=args.toy, runs={}, checks={}, skipped={}, seconds={})
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"\nGPU acceptance test: {figures['gpus']} x {figures['device']}, torch {torch.__version__}; "
           f"runs in {args.out_dir} (deleted at the end)", flush=True)
@@ -532,15 +533,34 @@ def measure_gpu(args, device, figures):
     figures["skipped"].update({} if cuda else {"memory": "no CUDA allocator on a CPU",
                                                "mfu 1.2b": "no peak FLOP/s for a CPU",
                                                "compiler": "the runs are not compiled on a CPU"})
-    prepare_o200k_demo(args.data_dir)
-    checks["lev_reference"] = lev_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
-    checks["loss_reference"] = loss_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
-    outputs = train_runs(args, device, ddp, figures["runs"])
+    part = timed_parts(figures["seconds"])
+    with part("data"):
+        prepare_o200k_demo(args.data_dir)
+    with part("references"):
+        checks["lev_reference"] = lev_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
+        checks["loss_reference"] = loss_reference_error(args.data_dir, device, shape_of("1.2b", args.toy))
+    with part("train.py runs"):
+        outputs = train_runs(args, device, ddp, figures["runs"])
     read_runs(args.out_dir, outputs, figures)
-    figures["lev"] = lev_figures(args.data_dir, device, shape_of("1.2b", args.toy))
+    with part("LEV alone"):
+        figures["lev"] = lev_figures(args.data_dir, device, shape_of("1.2b", args.toy))
     if figures["speed"]["1.2b"]:  # on the safe side: the micro-step timed had its own LEV call on fewer ids
         checks["lev_share"] = figures["lev"]["seconds"] / figures["speed"]["1.2b"]["micro_step_s"]
     checks["eager"] = sum(EAGER_WARNING in output for output in outputs.values()) + Fused.warned
+
+
+def timed_parts(seconds):
+    """part(name): a context that adds the seconds its block took to seconds[name], and prints them,
+    so that a slow acceptance run shows where its time went."""
+    @contextlib.contextmanager
+    def part(name):
+        start = time.time()
+        try:
+            yield
+        finally:
+            seconds[name] = round(time.time() - start, 1)
+            print(f"  {name}: {seconds[name]:.0f} s", flush=True)
+    return part
 
 
 def shape_of(size, toy):
@@ -839,7 +859,8 @@ def report_gpu(figures, json_path):
         print(f"skip {check}: {why}")
     minutes, seconds = divmod(round(figures["wall_s"]), 60)
     n_checks, n_failed = len(check_lines(figures)), len(figures["failures"])
-    print(f"wall time {minutes} min {seconds:02d} s; every figure in {json_path}")
+    parts = ", ".join(f"{name} {s:.0f} s" for name, s in figures["seconds"].items())
+    print(f"wall time {minutes} min {seconds:02d} s ({parts}); every figure in {json_path}")
     print(f"FAIL: {n_failed} of {n_checks} checks" if n_failed else f"PASS: all {n_checks} checks")
 
 

@@ -23,7 +23,7 @@ from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_o
                       train_cli)
 from experiments import bench, compare, evaluate, runs, study
 from experiments.evaluate import LeviathanLM, scoring_windows
-from prepare_data import UserError, tokenizer_from_meta
+from prepare_data import UserError, run_main, tokenizer_from_meta
 from sample import load_model
 from test_leviathan import bias_logits
 
@@ -498,10 +498,10 @@ def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
 # ---------------------------------------------------------------------------- bench.py
 
 
-def test_bench_options_out_of_range_are_one_error_line():
+def test_bench_options_out_of_range_are_one_error_line(capsys):
+    """In this process (run_main is what the module runs), and once as a user runs it."""
     for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch")]:
-        r = run_module("bench", *args)
-        assert_one_error_line(r.returncode, r.stderr, phrase)
+        assert_one_error_line(run_main(bench.bench, args), capsys.readouterr().err, phrase)
     if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one
         r = run_module("bench", "gpu")
         assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU")
@@ -585,6 +585,8 @@ def test_bench_gpu_runs_whole_on_a_cpu_toy(train_data, tmp_path, monkeypatch, ca
     assert checks["lev_reference"] < 1e-5 and 0 < checks["loss_reference"] < 2e-2, checks
     assert checks["first_loss"] < 1e-4 and checks["loss_falls"] < 0.9, checks
     assert set(figures["skipped"]) == {"ddp", "memory", "mfu 1.2b", "compiler"}
+    assert set(figures["seconds"]) == {"data", "references", "train.py runs", "LEV alone"}  # where the time went
+    assert sum(figures["seconds"].values()) <= figures["wall_s"] + 1  # each rounded to 0.1 s
     assert all(run["checkpoint_gb"] is not None for run in figures["runs"].values())  # their lines were read
     assert figures["speed"]["1.2b"]["tokens_per_s"] > 0 and figures["lev"]["distinct_ids"] > 1
     failures = bench.gpu_failures(figures)
