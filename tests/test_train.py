@@ -413,13 +413,14 @@ def test_peak_flops_match_whole_words_of_the_device_name():
     assert train.peak_flops("Tesla V100-SXM2-16GB") is None
 
 
-def test_missing_data_names_the_prepare_command(tmp_path):
+def test_missing_data_names_the_prepare_command(tmp_path, monkeypatch, capsys):
     """A size's own data folder missing: the command that makes it. Another folder: where to look."""
+    monkeypatch.chdir(tmp_path)  # where data/demo and data/pile do not exist
     for args, phrase in [(["--size=tiny"], "run `python prepare_data.py --dataset=demo` first"),
                          (["--size=200m"], "run `python prepare_data.py` first"),
                          ([f"--data_dir={tmp_path / 'nowhere'}"], "pass the --out_dir prepare_data.py wrote")]:
-        r = run_script("train.py", *args, f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
-        assert_one_error_line(r.returncode, r.stderr, phrase)
+        code = train.main([*args, f"--out_dir={tmp_path / 'o'}", "--device=cpu"])
+        assert_one_error_line(code, capsys.readouterr().err, phrase)
         assert not (tmp_path / "o").exists()
 
 
@@ -454,7 +455,8 @@ def test_every_train_option_out_of_range_is_one_error_line(train_data, tmp_path,
     assert not (tmp_path / "o").exists()  # refused before anything was written
 
 
-def test_bad_options_are_one_line_errors(train_data, tmp_path):
+def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
+    """In this process (main() is what the script runs), and once as a user runs it."""
     out = tmp_path / "o"
     for args, phrases in [(["--size=3b"], ["--size=3b", "tiny"]),
                           (["--colour=red"], ["unrecognized arguments: --colour=red", "python train.py --help"]),
@@ -463,8 +465,8 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path):
                           (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
                           (["--embedding=tied", "--lr_head=10"], ["--lr_head", "--lr_input"]),
                           (["--lr_input=0"], ["--lr_input", "> 0"])]:
-        r = train_cli(train_data, out, *args, check=False)
-        assert_one_error_line(r.returncode, r.stderr, *phrases)
+        code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
+        assert_one_error_line(code, capsys.readouterr().err, *phrases)
     r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env={"SLURM_NTASKS": "4"})
     assert_one_error_line(r.returncode, r.stderr, "without torchrun", "srun torchrun")
     assert not out.exists()
