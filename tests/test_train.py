@@ -490,21 +490,19 @@ def test_shard_from_another_tokenizer(train_data, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path):
+def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, capsys):
     out = tmp_path / "run"
     train_cli(train_data, out, "--total_tokens=1024")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     other = prepare_corpus(tmp_path, "other", 700)  # another tokenizer: 700 ids, padded to 768
-    for data_dir, args, phrases in [(train_data, [], ["exists", "--resume"]),
-                                (train_data, ["--resume", "--d_model=64"], ["different config", "d_model=32 there, 64 here"]),
-                                (other, ["--resume"], ["vocab_size=512 there, 768 here"])]:
-        r = train_cli(data_dir, out, "--total_tokens=1024", *args, check=False)
-        assert_one_error_line(r.returncode, r.stderr, *phrases)
-    r = train_cli(train_data, tmp_path / "none", "--resume", check=False)
-    assert_one_error_line(r.returncode, r.stderr, "no checkpoint")
+    for data_dir, run, args, phrases in [
+            (train_data, out, [], ["exists", "--resume"]),
+            (train_data, out, ["--resume", "--d_model=64"], ["different config", "d_model=32 there, 64 here"]),
+            (other, out, ["--resume"], ["vocab_size=512 there, 768 here"]),
+            (train_data, tmp_path / "none", ["--resume"], ["no checkpoint"])]:
+        code = train.main([f"--data_dir={data_dir}", f"--out_dir={run}", *TRAIN_ARGS, "--total_tokens=1024", *args])
+        assert_one_error_line(code, capsys.readouterr().err, *phrases)
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
-
-
 
 
 def readme_torchrun_options():
