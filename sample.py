@@ -78,28 +78,23 @@ def load_model(out_dir, device="cpu"):
     return model.eval(), tok, ckpt.get("step")
 
 
-
-def inference_precision(device, bf16=None):
-    """The context a trained model runs in for inference: bf16 autocast, as in training, on a GPU
-    (the head's matmuls in bf16, LEV and the softmax in float32); float32 on a CPU. bf16=True or
-    False overrides the device's default."""
+def precision(device, bf16=None):
+    """The context the model runs in: bf16 autocast on a GPU (the backbone's and the head's matmuls
+    in bf16, LEV and the softmax in float32), float32 on a CPU; bf16=True or False overrides that.
+    train.py trains in it, so sampling and evaluation run in the training precision."""
     on = torch.device(device).type == "cuda" if bf16 is None else bf16
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else nullcontext()
 
 
 def check_device(name):
     """Refuse a --device this machine cannot use, in one line."""
-    import torch  # here, not at the top: prepare_data.py never pays for importing torch
     try:
         torch.empty(1, device=name)
     except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
         raise UserError(f"device {name!r} is not usable here ({str(e).splitlines()[0]}); try --device=cpu") from None
 
 
-
 # ---------------------------------------------------------------------------- streaming text
-
-
 
 
 class TextStream:
@@ -197,7 +192,7 @@ def sample(args):
     for i in range(args.num_samples):
         sys.stdout.write("---------------\n" if i else "")
         start = time.perf_counter()
-        with inference_precision(args.device, args.bf16):
+        with precision(args.device, args.bf16):
             n = print_sample(model, tok, prompt, ids, args, generator)
         print(f"# sample {i + 1}: {n} tokens, {n / (time.perf_counter() - start):.1f} tokens/s", file=sys.stderr)
 

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 from leviathan import EMBEDDINGS, Config, Model, padded_vocab
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, parse_bool, parse_number, print_error,
                           read_shard, shard_paths, tokenizer_from_meta, write_json)
-from sample import load_checkpoint
+from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the sizes
 
@@ -220,6 +220,7 @@ def model_config(config, meta):
                       **{k: getattr(config, k) for k in MODEL_FIELDS})
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
+
 
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 
@@ -462,8 +463,7 @@ def build(run):
         run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
         run.step = run.ckpt["step"]
         run.ckpt = None  # nothing else is needed: let the full state dict go
-    bf16 = config.bf16 if config.bf16 is not None else cuda
-    run.autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    run.autocast = precision(run.device, config.bf16)
     run.compiled = config.compile if config.compile is not None else cuda
     if run.compiled:
         run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
@@ -879,7 +879,6 @@ def shut_down(code):
             os._exit(code)
         dist.destroy_process_group()
     return code
-
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import json, os, sys
 import torch
 
 from prepare_data import ArgumentParser, UserError, parse_bool, run_main, write_json
-from sample import check_device, inference_precision, load_model
+from sample import check_device, load_model, precision
 
 try:
     import lm_eval
@@ -110,7 +110,7 @@ class LeviathanLM(LM):
         inputs = torch.full((len(windows), width), self.tokenizer.eot, dtype=torch.long)
         for row, (tokens, _) in enumerate(windows):
             inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-        with inference_precision(self._device, self.bf16):  # the training precision
+        with precision(self._device, self.bf16):  # the training precision
             logits = self.model(inputs.to(self._device))  # [B, T, V], float32
         scores = []
         for row, (tokens, n) in enumerate(windows):
