@@ -76,8 +76,6 @@ def parse_number(kind):
     return parse
 
 
-
-
 # ---------------------------------------------------------------------------- token shards
 #
 # The one place the format is defined. Each split of a data folder is a series of files
@@ -187,7 +185,6 @@ def load_meta(data_dir):
             return json.load(f)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e}); run prepare_data.py again") from None
-
 
 
 # ---------------------------------------------------------------------------- the tokenizer
@@ -340,7 +337,6 @@ def atomic_write(path, write, mode="wb"):
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
-
 
 
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds

@@ -775,11 +775,8 @@ def lev_figures(data_dir, device, shape):
     """LEV's forward and backward for one micro-batch of the shape, of Zipf-distributed ids over the
     data's vocabulary, as the model runs it: compiled on CUDA (as train.py does it), under bf16
     autocast (which LEV turns off inside). The median of 10 calls after 3 (compilation, warm-up)."""
-    vocab_size = load_meta(data_dir)["vocab_size"]
-    ids = zipf_ids(vocab_size, micro_batch_shape(shape), ZIPF_EXPONENT).to(device)
-    model_fields = {f.name for f in dataclasses.fields(Config)}
-    cfg = size_model(shape["size"], vocab_size=padded_vocab(vocab_size),
-                     **{key: value for key, value in shape.items() if key in model_fields})
+    ids = zipf_ids(load_meta(data_dir)["vocab_size"], micro_batch_shape(shape), ZIPF_EXPONENT).to(device)
+    cfg = shape_config(data_dir, shape)
     torch.manual_seed(0)
     lev = LEV.from_config(cfg).to(device)
     if device.type == "cuda":
