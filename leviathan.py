@@ -368,25 +368,35 @@ def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, d
 
 def chunk_cross_entropy(x_c, w, target_c, n, grad_x_c, grad_w):
     """One chunk: its summed loss, and (given grad_x_c) its share of dL/dx written there and of
-    dL/dW added to grad_w. A function of its own so that the chunk's [chunk, V] tensors are freed
-    before the next chunk's are made; the softmax is made in place of the logits, so at most one
-    float32 [chunk, V] and its bf16 copy for the matmuls exist at a time."""
-    logits = F.linear(x_c, w).float()
-    top = logits.amax(-1, keepdim=True)
-    target_logit = logits.gather(1, target_c[:, None])
-    exps = logits.sub_(top).exp_()  # in place: exp(logit - max), nothing overflows
-    sums = exps.sum(-1, keepdim=True)
-    loss = (sums.log() + top - target_logit).sum()  # log-sum-exp minus the target's logit
+    dL/dW added to grad_w. A function of its own so that the chunk's [chunk, V] logits are freed
+    before the next chunk's are made; G is made in place of the logits, so one [chunk, V] in the
+    head's dtype is all a chunk holds (and, on the plain path, a float32 copy when that is bf16)."""
+    logits = F.linear(x_c, w)  # z = x W^T, [chunk, V]
+    loss = softmax_step(logits)(logits, target_c, n)  # softmax_gradient_ (or its fused form): logits now hold G
     if grad_x_c is None:
         return loss
-    g = exps.div_(sums * n)  # softmax / N, still in place
-    g.scatter_add_(1, target_c[:, None], torch.full_like(target_logit, -1.0 / n))  # - onehot / N
-    g = g.to(w.dtype)
+    g = logits
     grad_x_c.copy_(g @ w)
     if g.dtype == grad_w.dtype:
         grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
     else:
         grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+    return loss
+
+
+def softmax_gradient_(logits, targets, n):
+    """The loss's elementwise work on one chunk, in place: the logits z [chunk, V] become
+    G = (softmax(z) - onehot) / n, dLoss/dz for the mean over n positions; returns the chunk's
+    summed loss, sum(logsumexp(z) - z_target). In float32, whatever the logits' dtype."""
+    z = logits.float()  # float32 logits: z is the logits themselves, and every step is in place
+    top = z.amax(-1, keepdim=True)
+    target_z = z.gather(1, targets[:, None])
+    exps = z.sub_(top).exp_()  # exp(z - max): nothing overflows
+    sums = exps.sum(-1, keepdim=True)
+    loss = (sums.log() + top - target_z).sum()
+    g = exps.div_(sums * n)
+    g.scatter_add_(1, targets[:, None], torch.full_like(target_z, -1.0 / n))  # - onehot / n
+    logits.copy_(g)  # back into the logits' dtype (float32: a copy onto itself, skipped)
     return loss
 
 
@@ -791,8 +801,12 @@ def separable_modes(t, spline):
 # 4. Model.compile: the model in place (backbone, head, loss), and LEV.generate on
 #    its own for any number of ids (compile_lev, dynamic=True), which fuses the small steps around
 #    the product.
+# 5. The loss is one opaque call of its custom operator in the model's graph (its chunk loop would
+#    be unrolled otherwise, see chunked_cross_entropy); inside it, on a GPU, each chunk's softmax
+#    and gradient are compiled on their own (fused_softmax_gradient_: three kernels, two of them
+#    over [chunk, V]; dynamic=True, as the last chunk is shorter), whether or not the model is.
 
-FUSE_MIN_FLOATS = 1 << 20  # floats of phi below which a call runs eagerly (1. above)
+FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits, below which a call runs eagerly (1., 5.)
 
 
 # What a failure of compiling itself arrives as (torch 2.4-2.13: torch/_dynamo/exc.py,
@@ -815,29 +829,29 @@ class Fused:
     """fn compiled by torch.compile into fused kernels (inductor: C++ loops on a CPU, Triton on
     a GPU; group_products is one, so phi stays in registers). Where compiling fails (no C++
     compiler, an unsupported GPU), fn runs eagerly: the same result, slower, with one warning
-    line for all the kernels. An error of the compiled kernel as it runs propagates, and the
-    kernel stays compiled."""
-    warned = False
+    line for all the kernels of `what` (LEV, the loss). An error of the compiled kernel as it
+    runs propagates, and the kernel stays compiled."""
+    warned = set()  # the `what`s that have printed their warning
 
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True, fullgraph=True)
+    def __init__(self, fn, what):
+        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, dynamic=True, fullgraph=True)
 
     def __call__(self, *args):
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
             except COMPILE_FAILURES as error:
-                if not Fused.warned:
+                if self.what not in Fused.warned:
                     cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
                     reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
-                    print(f"warning: LEV runs eagerly (slower); torch.compile failed: {reason}")
-                    Fused.warned = True
+                    print(f"warning: {self.what} runs eagerly (slower); torch.compile failed: {reason}")
+                    Fused.warned.add(self.what)
                 self.compiled = None
         return self.fn(*args)
 
 
 KERNELS = bspline_nonzero, group_products, product_gradients
-FUSED_KERNELS = tuple(Fused(kernel) for kernel in KERNELS)
+FUSED_KERNELS = tuple(Fused(kernel, "LEV") for kernel in KERNELS)
 
 
 def kernels_for(t, spline):
@@ -849,3 +863,29 @@ def kernels_for(t, spline):
 def compile_lev(lev, **options):
     """LEV.generate compiled for any number of ids; its product stays eager (2.), its kernels fused (1.)."""
     lev.generate = torch.compile(lev.generate, dynamic=True, **options)
+
+
+def fused_softmax_gradient_(logits, targets, n):
+    """softmax_gradient_ (the loss) written for fused kernels (5. above): the same loss and G up to
+    rounding. exp(z - lse) is recomputed where G is written instead of kept from the sum's pass, so
+    inductor stores nothing of [chunk, V] but G over the logits: each element is read three times
+    (max, sum, G) in the logits' dtype and written once, where softmax_gradient_'s eager steps make
+    ~9 passes, most of them in float32."""
+    z = logits.float()
+    top = z.amax(-1, keepdim=True)
+    lse = top + (z - top).exp().sum(-1, keepdim=True).log()  # logsumexp(z), [chunk, 1]
+    loss = (lse - z.gather(1, targets[:, None])).sum()  # before z is overwritten
+    onehot = torch.arange(z.shape[1], device=z.device) == targets[:, None]
+    logits.copy_(((z - lse).exp() - onehot.float()) / n)
+    return loss
+
+
+def softmax_step(logits):
+    """The fused form on a GPU, where the loss's elementwise work is bound by memory traffic, for a
+    chunk that repays compiling (FUSE_MIN_FLOATS); the plain in-place form elsewhere. On a CPU the
+    plain form is the faster: exp is bound by arithmetic there, and the fused kernel computes it
+    twice (0.04 s against 0.08 s for [1024, 32768] float32 logits on 2 cores, torch 2.13)."""
+    return FUSED_SOFTMAX if logits.is_cuda and logits.numel() >= FUSE_MIN_FLOATS else softmax_gradient_
+
+
+FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")

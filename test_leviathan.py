@@ -282,7 +282,7 @@ def fused_kernel_errors_under_triton_interpreter():
 
     # 1. inductor keys its cache by the GPU's backend, which needs a driver; there is none
     torch.utils._triton.triton_hash_with_backend = lambda: "TRITON-INTERPRETER"
-    # 2. round() and frexp() become libdevice calls, GPU library calls the interpreter lacks;
+    # 2. round(), frexp() and the loss's exp become libdevice calls, GPU library calls the interpreter lacks;
     #    numpy does the same (rint rounds half to even, as nearbyint does)
     def numpy_call(op, dtype=None):
         def call(x, *rest, _semantic=None):
@@ -290,7 +290,7 @@ def fused_kernel_errors_under_triton_interpreter():
             return tl.tensor(TensorHandle(op(x.handle.data, *(y.handle.data for y in rest)), kind.scalar), kind)
         return call
 
-    libdevice.nearbyint = numpy_call(np.rint)
+    libdevice.nearbyint, libdevice.exp = numpy_call(np.rint), numpy_call(np.exp)
     libdevice.isinf, libdevice.isnan = numpy_call(np.isinf, tl.int1), numpy_call(np.isnan, tl.int1)
     libdevice.ilogb = numpy_call(lambda x: (np.frexp(x)[1] - 1).astype(np.int32), tl.int32)
     libdevice.ldexp = numpy_call(lambda x, n: np.ldexp(x, n).astype(x.dtype))
@@ -302,17 +302,27 @@ def fused_kernel_errors_under_triton_interpreter():
         return launch(*args, **kwargs)
 
     CachingAutotuner.run = counted_launch
+    # The loss's fused step against its plain form, on logits wide enough that each row is reduced
+    # in a loop, as at V = 200k; both overwrite their logits with G, so each gets its own copy.
+    logits, targets, n = 3 * torch.randn(8, 8192), torch.randint(0, 8192, (8,)), 16
+    plain, fused_logits = logits.clone(), logits.clone()
+    calls.append((leviathan.fused_softmax_gradient_, (fused_logits, targets, n)))
+    expected = {leviathan.fused_softmax_gradient_: (leviathan.softmax_gradient_(plain, targets, n), plain)}
     # 3. inductor's CPU backend switched from C++ to Triton
     with torch._inductor.config.patch(cpu_backend="triton"):
         for fn, args in calls:
-            kernel = leviathan.Fused(fn)
+            kernel = leviathan.Fused(fn, fn.__name__)
             launches.append(0)
             fused, code = torch._inductor.utils.run_and_get_code(kernel, *args)
             assert kernel.compiled is not None, "compiling failed; Fused fell back to eager"
-            pairs = zip(as_tuple(fused), as_tuple(fn(*args)), strict=True)
+            if fn in expected:  # the loss's step: its loss, and G written over the logits
+                fused = (fused, args[0])
+            pairs = zip(as_tuple(fused), expected.get(fn) or as_tuple(fn(*args)), strict=True)
             errors.append([(a - b).abs().max().item() / max(b.abs().max().item(), 1e-30) for a, b in pairs])
             sources += code
-    return errors, launches, all("@triton.jit" in source for source in sources) and len(sources) == len(calls)
+    loss_buffers = re.findall(r"empty_strided\w*\(\(([^)]*)\)", sources[-1])  # what the loss's kernel allocates
+    return (errors, launches, loss_buffers,
+            all("@triton.jit" in source for source in sources) and len(sources) == len(calls))
 
 
 def test_fused_kernels_match_eager_as_triton_kernels(monkeypatch):
@@ -329,14 +339,19 @@ def test_fused_kernels_match_eager_as_triton_kernels(monkeypatch):
                     f'inductor\'s kernels: pip install "triton>=3.9,<3.10"')
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # for the new process, from its start
     with torch.multiprocessing.get_context("spawn").Pool(1) as pool:
-        errors, launches, triton_generated = pool.apply(fused_kernel_errors_under_triton_interpreter)
+        errors, launches, loss_buffers, triton_generated = pool.apply(fused_kernel_errors_under_triton_interpreter)
     assert triton_generated
-    assert len(errors) == 4 and max(max(call) for call in errors) < 1e-5, errors
+    assert len(errors) == 5 and max(max(call) for call in errors) < 1e-5, errors
     # Launches per call, for any size (one graph, dynamic=True): group_products is one kernel, so
     # phi never leaves registers; bspline_nonzero and product_gradients at most two (torch 2.13
     # makes two of each). One LEV forward + backward on a GPU launches bspline_nonzero twice,
     # group_products once per forward chunk and product_gradients once per backward chunk.
-    assert all(1 <= n <= most for n, most in zip(launches, [2, 1, 1, 2], strict=True)), launches
+    # The loss's step per chunk: at most three kernels (torch 2.13: logsumexp, a loop over V for the
+    # max and one for the sum; the loss, from [chunk] values; G, one read and one write), and it
+    # allocates nothing of [chunk, V], only [chunk, 1] row statistics and the loss: nothing else
+    # passes over the logits.
+    assert all(1 <= n <= most for n, most in zip(launches, [2, 1, 1, 2, 3], strict=True)), launches
+    assert all(shape.count(",") == 0 or shape.replace(" ", "").endswith(",1") for shape in loss_buffers), loss_buffers
 
 
 def test_fused_kernels_fall_back_to_eager_when_compiling_fails(tmp_path):
@@ -348,7 +363,7 @@ def test_fused_kernels_fall_back_to_eager_when_compiling_fails(tmp_path):
         t, spline = torch.rand(8, 2, 5), torch.rand(2, 8, 6, 3)
         index, values, _ = leviathan.bspline_nonzero(t, 6)
         for fn, args in [(leviathan.bspline_nonzero, (t, 6)), (leviathan.group_products, (index, values, spline, 4))]:
-            kernel = leviathan.Fused(fn)
+            kernel = leviathan.Fused(fn, "LEV")
             for _ in range(2):
                 fused, eager = kernel(*args), fn(*args)
                 fused, eager = [x if isinstance(x, tuple) else (x,) for x in (fused, eager)]
@@ -367,8 +382,8 @@ def test_fused_kernels_fall_back_to_eager_when_the_recompile_limit_is_hit(monkey
     is a failure of compiling (the kernel runs eagerly, one warning line), not the kernel's error."""
     def double(x):
         return x * 2
-    monkeypatch.setattr(leviathan.Fused, "warned", False)
-    kernel = leviathan.Fused(double)
+    monkeypatch.setattr(leviathan.Fused, "warned", set())
+    kernel = leviathan.Fused(double, "LEV")
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     with torch._dynamo.config.patch(**{limit: 1}):
         for dtype in (torch.float32, torch.float64, torch.int64):  # a new dtype: a recompile
@@ -381,8 +396,8 @@ def test_fused_kernels_raise_what_the_compiled_kernel_raises(monkeypatch, capsys
     """An error of the compiled kernel as it runs is no failure of compiling: it propagates as
     raised, and the kernel stays compiled. Inductor's C++ checks every indirect index as it runs;
     a knot index out of range is one (eagerly, the same call raises IndexError instead)."""
-    monkeypatch.setattr(leviathan.Fused, "warned", False)
-    kernel = leviathan.Fused(leviathan.group_products)
+    monkeypatch.setattr(leviathan.Fused, "warned", set())
+    kernel = leviathan.Fused(leviathan.group_products, "LEV")
     index, values, _ = leviathan.bspline_nonzero(torch.rand(8, 2, 5), 6)
     spline = torch.rand(2, 8, 6, 3)
     out_of_range = index.clone()
@@ -635,8 +650,8 @@ class LiveBytes(TorchDispatchMode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_loss_holds_one_chunk_of_logits_at_a_time(monkeypatch, dtype):
     """In flight inside the loss: its outputs (dL/dx, a float32 dL/dW), the head cast to dtype, one
-    [V, D] product for dL/dW (bf16 only), and one chunk's float32 logits (then softmax, in place)
-    with its dtype copy, however many chunks there are."""
+    [V, D] product for dL/dW (bf16 only), and one chunk's logits in dtype (then G, in place) with
+    their float32 copy when dtype is bf16, however many chunks there are."""
     n, V, D, chunk = 96, 4096, 8, 16  # the [chunk, V] tensors outweigh the [V, D] ones
     monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 6 chunks
     x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
@@ -648,6 +663,47 @@ def test_the_loss_holds_one_chunk_of_logits_at_a_time(monkeypatch, dtype):
     one_chunk = chunk * V * (4 + (size if dtype != torch.float32 else 0))
     assert tracker.peak <= outputs + head + product + one_chunk + 64 * chunk * D, tracker.peak
     assert tracker.peak >= outputs + one_chunk  # it did measure the chunk
+
+
+class LogitPasses(TorchDispatchMode):
+    """The ops that read or write a tensor of one chunk's logits ([chunk, V] or its transpose),
+    by name, outside the spans where `paused` is set; views move no data and are not counted."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shapes, self.ops, self.paused = {tuple(shape), tuple(shape)[::-1]}, [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in (*args, *(kwargs or {}).values(), out) if isinstance(t, torch.Tensor)]
+        if not self.paused and not func.is_view and any(tuple(t.shape) in self.shapes for t in tensors):
+            self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_passes_over_the_logits_once_outside_its_fused_step(monkeypatch, dtype):
+    """On the GPU's path, a chunk's [chunk, V] logits are touched by three ops outside the softmax
+    step: the head's matmul that writes z, and the two matmuls that read G. The step itself (here
+    run plain, uncounted) is fused there: test_fused_kernels_match_eager_as_triton_kernels."""
+    n, V, D, chunk = 96, 4096, 8, 32
+    monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 3 chunks
+    census, steps = LogitPasses((chunk, V)), []
+
+    def uncounted_step(logits):
+        def step(*args):
+            census.paused = True
+            steps.append(leviathan.softmax_gradient_(*args))
+            census.paused = False
+            return steps[-1]
+        return step
+
+    monkeypatch.setattr(leviathan, "softmax_step", uncounted_step)
+    x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
+    with census:
+        leviathan.chunked_loss(x, w, targets, dtype, True)
+    assert len(steps) == n // chunk
+    assert len(census.ops) == 3 * len(steps), census.ops
 
 
 def test_compiler_sees_the_loss_as_one_opaque_call(monkeypatch):

@@ -563,7 +563,7 @@ def bench_gpu_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir):
     monkeypatch.chdir(HERE)
     for name, value in {**SCRIPT_ENV, "PYTHONPATH": f"{blocked}{os.pathsep}{HERE}"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(leviathan.Fused, "warned", False)  # an earlier test's warning is not this run's
+    monkeypatch.setattr(leviathan.Fused, "warned", set())  # an earlier test's warning is not this run's
     try:
         bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
                      f"--json={tmp_path / 'figures.json'}"])
@@ -615,3 +615,154 @@ def test_bench_gpu_refuses_a_full_folder_and_fails_cleanly_when_runs_crash(train
     assert not (tmp_path / "runs").exists()
 
 
+# ---------------------------------------------------------------------------- study.py: LEV's variants (lev_variants.py)
+
+from experiments import lev_variants  # noqa: E402  (this section's own; the file's sections are appended)
+
+VARIANT_LEV = dict(vocab_size=512, d_model=32, seed_dim=16, heads=2, knots=16, rank=8)
+
+
+def same_init(cls):
+    """A LEV (or variant) with the parameters leviathan.LEV gets at seed 0."""
+    torch.manual_seed(0)
+    return cls(**VARIANT_LEV)
+
+
+def test_lev_variant_raw_basis_dips_at_the_end_knots_and_scales_each_mode_by_the_basis_sums():
+    """Not renormalised, the basis sums to 0.875 at t = 0 and t = 1 (leviathan's sums to 1), so
+    each mode M_l is lev's times prod_d sum_m B_m(t_d): the missing neighbour's beta, in closed form."""
+    t = torch.tensor([0.0, 0.5, 1.0])
+    raw = lev_variants.scaled_basis(t.view(1, 1, 3), torch.full((1, 3), 15.0), 16, normalise=False).sum(-1)
+    assert torch.allclose(raw.flatten(), torch.tensor([0.875, 1.0, 0.875]))
+    assert torch.allclose(leviathan.bspline_basis(t, 16).sum(-1), torch.ones(3))
+    lev, variant = same_init(leviathan.LEV), same_init(lev_variants.RawBasisLEV)
+    with torch.no_grad():  # wide u, so that many t_d lie within half an interval of an end knot
+        for model in (lev, variant):
+            model.norm_weight.fill_(6.0)
+        ids = torch.arange(512)
+        t = lev.coordinates(ids)
+        p = t * 15  # the position in knot intervals
+        sums = 1 - 0.5 * (0.5 - p).clamp(min=0) ** 2 - 0.5 * (p - 14.5).clamp(min=0) ** 2
+        phi = torch.einsum("hndm,hdmr->hndr", leviathan.bspline_basis(t, 16), lev.spline)
+        expected = torch.einsum("hnr,hrD->nD", phi.prod(2) * sums.prod(2, keepdim=True), lev.out_proj)
+        assert sums.prod(2).min() < 0.9  # the test bites: some modes shrink by more than 10%
+        assert torch.allclose(variant.generate(ids), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_lev_variant_knot_scale_starts_as_lev_and_learns_its_scale():
+    """At s = kappa - 1 the variant is leviathan's LEV bit for bit (the reference; the fast path to
+    float32 rounding); its scale gets the gradient a finite difference gives; away from kappa - 1
+    more than three knots are non-zero (why it runs dense) and the renormalised basis sums to 1."""
+    lev, variant = same_init(leviathan.LEV), same_init(lev_variants.KnotScaleLEV)
+    ids = torch.arange(512)
+    assert torch.equal(variant.scale, torch.full((2, 16), 15.0))
+    assert torch.equal(variant.generate(ids), lev.generate_reference(ids))
+    assert torch.allclose(variant.generate(ids), lev.generate(ids), atol=1e-6)
+    variant = variant.double()
+    weights = torch.randn(512, 32, dtype=torch.float64)
+    (variant.generate(ids) * weights).sum().backward()
+    with torch.no_grad():
+        losses = []
+        for step in (1e-6, -1e-6):
+            variant.scale[1, 3] += step
+            losses.append((variant.generate(ids) * weights).sum())
+            variant.scale[1, 3] -= step
+    assert variant.scale.grad.abs().min() > 0
+    assert torch.isclose(variant.scale.grad[1, 3], (losses[0] - losses[1]) / 2e-6, rtol=1e-4)
+    basis = lev_variants.scaled_basis(torch.rand(2, 100, 16), torch.full((2, 16), 0.7 * 15), 16, normalise=True)
+    assert (basis > 0).sum(-1).max() > 3 and torch.allclose(basis.sum(-1), torch.ones(2, 100, 16))
+
+
+def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(train_data, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A variant run stopped at step 2 of 4 (lev_variants.main in this process), then resumed to the
+    end by the sweep's command for it (python -m experiments.lev_variants ... --resume): the learnt
+    knot scale is in both checkpoints, and moved in each part."""
+    monkeypatch.chdir(HERE)  # the module runs from the repository root, as the study does
+    monkeypatch.setattr(leviathan, "LEV", leviathan.LEV)  # main() replaces it: restored after the test
+    out = tmp_path / "run"
+    options = [f"--data_dir={train_data}", *TRAIN_ARGS, "--embedding=lev", "--total_tokens=2048", "--eval_interval=2",
+               "--lev_variant=knot-scale"]
+    assert lev_variants.main([*options, f"--out_dir={out}", "--stop_step=2"]) == 0
+    scale_at_stop = torch.load(out / "ckpt.pt", weights_only=False)["model"]["lev.scale"]
+    assert not runs.finished(out) and not torch.equal(scale_at_stop, torch.full_like(scale_at_stop, 3.0))
+    capsys.readouterr()
+    assert study.train_lev_variant(str(out), options, str(tmp_path / "resumed.txt")) == (0, False)
+    assert runs.finished(out) and [r["step"] for r in runs.log_records(out, "train")] == [1, 2, 3, 4]
+    assert not torch.equal(torch.load(out / "ckpt.pt", weights_only=False)["model"]["lev.scale"], scale_at_stop)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and " python -m experiments.lev_variants --data_dir=" in printed[0]
+    assert printed[0].endswith(f"--out_dir={out} --resume")
+
+
+def test_lev_variants_main_refuses_a_missing_or_unknown_variant():
+    for argv, got in (([], "none"), (["--lev_variant=wide"], "--lev_variant=wide")):
+        with pytest.raises(UserError, match=re.escape(f"among raw-basis, knot-scale; got {got}")):
+            lev_variants.main(argv)
+
+
+def test_study_third_part_plans_carry_their_stated_settings():
+    """lev-variants: lev at 3e-3, LEV x0.1, head x30, seed 1337, 3,000 steps, an evaluation every
+    250, the long shape, then one change each; vocab32k-long: the three arms at tune-long's rates."""
+    long_regime = {"--seed=1337", "--total_tokens=12288000", "--eval_interval=250", "--d_model=64", "--n_layer=2",
+                   "--n_head=2", "--eval_tokens=1000000000"}
+    lev = long_regime | {"--embedding=lev", "--lr=0.003", "--lr_input=0.1", "--lr_head=30.0"}
+    variants = study.planned_runs("lev-variants")
+    assert [set(args) - lev - {"--data_dir=data/demo-final"} for _, args in variants] == [
+        set(), {"--lev_sigmoid_scale=1"}, {"--lev_variant=raw-basis"}, {"--lev_variant=knot-scale"}, {"--lev_knots=32"}]
+    assert [os.path.basename(out_dir) for out_dir, _ in variants][:2] == [
+        "lev-lr0.003-in0.1-head30-seed1337", "lev-plain-sigmoid-lr0.003-in0.1-head30-seed1337"]
+    arms = {os.path.basename(out_dir).split("-")[0]: set(args) for out_dir, args in study.planned_runs("vocab32k-long")}
+    assert arms["lev"] == lev | {"--data_dir=data/demo32k-final"}
+    assert arms["tied"] == long_regime | {"--embedding=tied", "--data_dir=data/demo32k-final", "--lr=0.003",
+                                          "--lr_input=10.0"}
+    assert arms["untied"] == long_regime | {"--embedding=untied", "--data_dir=data/demo32k-final", "--lr=0.003",
+                                            "--lr_input=1.0", "--lr_head=30.0"}
+
+
+def finish_fake_run(out_dir, val_loss, steps=3000):
+    """A run folder that finished.finished and final_eval read as done at `steps` with val_loss."""
+    os.makedirs(out_dir)
+    prep.write_json(os.path.join(out_dir, "config.json"), {"train": {"total_tokens": steps * 4096}})
+    with open(os.path.join(out_dir, "log.jsonl"), "w") as f:
+        f.write(json.dumps({"type": "eval", "step": steps, "tokens_seen": steps * 4096}) + "\n")
+    prep.write_json(os.path.join(out_dir, f"eval_step{steps}.json"), {"step": steps, "val_loss": val_loss})
+
+
+def test_study_second_seed_goes_to_the_variants_that_moved_lev_by_more_than_the_spread(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "STUDY_DIR", str(tmp_path))
+    with pytest.raises(UserError, match="the lev-variants runs are not all finished"):
+        study.planned_runs("lev-variants-seed2")
+    # lev 3.30; plain-sigmoid +0.06 and knots32 -0.05 move it by more than 0.047, the others do not
+    for (out_dir, _), loss in zip(study.planned_runs("lev-variants"), (3.30, 3.36, 3.32, 3.30, 3.25)):
+        finish_fake_run(out_dir, loss)
+    planned = [os.path.relpath(out_dir, tmp_path) for out_dir, _ in study.planned_runs("lev-variants-seed2")]
+    assert planned == [f"lev-variants-seed2/lev{v}-lr0.003-in0.1-head30-seed1338" for v in ("", "-plain-sigmoid", "-knots32")]
+    assert all("--seed=1338" in args for _, args in study.planned_runs("lev-variants-seed2"))
+    assert study.wait_for_other_parts("lev-variants", (2, 2), deadline=time.time() - 1)  # all finished: no wait
+
+
+def test_study_sweep_starts_variants_through_lev_variants_and_a_part_waits_for_the_others(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """lev-variants in one sweep: the two basis variants run as `python -m experiments.lev_variants`,
+    the other three as train.py (a recorder stands in for both). A part of two whose other part has
+    not finished lev-variants gives up on lev-variants-seed2 at the deadline instead of guessing."""
+    started = []
+
+    class FinishedAtOnce:
+        def __init__(self, argv, **kwargs):
+            started.append(argv)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(study, "STUDY_DIR", str(tmp_path))
+    monkeypatch.setattr(study, "measured_speed", lambda plan: None)
+    monkeypatch.setattr(runs.subprocess, "Popen", FinishedAtOnce)
+    study.main(["sweep", "lev-variants"])
+    launched = [argv[1:3] if argv[1] == "-m" else [os.path.basename(argv[1])] for argv in started]
+    assert launched == [["train.py"], ["train.py"], ["-m", "experiments.lev_variants"],
+                        ["-m", "experiments.lev_variants"], ["train.py"]]
+    capsys.readouterr()
+    study.sweep(["lev-variants-seed2"], deadline=time.time() - 1, part=(1, 2))
+    assert "not run: lev-variants-seed2 (the lev-variants runs it needs were not finished" in capsys.readouterr().out
