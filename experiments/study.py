@@ -9,6 +9,7 @@ Run from the repository root:
     python -m experiments.study prepare       # data/<name>-tune and data/<name>-final (val cut in two)
     python -m experiments.study sweep tune final vocab32k long edges retuned [--deadline=HH:MM]
     python -m experiments.study sweep width64 width128 width256 tune-long compare-long   # the second part
+    python -m experiments.study sweep lev-variants vocab32k-long lev-variants-seed2      # the third part
     python -m experiments.study table         # every run, the seed summary, the frequency buckets
     python -m experiments.study plot          # experiments/figures/*.png (needs `pip install matplotlib`)
 
@@ -19,7 +20,9 @@ of the protocol fixed beforehand. Learning rates are chosen on the TUNING half o
 split; the tables report the FINAL half, which no choice saw. Plans run in the order given;
 `final`, `vocab32k` and `long` use each arm's best `tune` run, so `tune` must be finished first,
 and `retuned` needs `edges`. The second part (the width sweep, `tune-long` and `compare-long`, which
-needs `tune-long`) was fixed before any of its runs. `sweep` drives train.py in a subprocess
+needs `tune-long`) was fixed before any of its runs, and so was the third (`lev-variants`, its
+derived second seed `lev-variants-seed2`, and `vocab32k-long`), which states every setting in its
+plans rather than reading them from earlier runs. `sweep` drives train.py in a subprocess
 (runs.py), one run at a time, skips finished runs and resumes interrupted ones, so it can be
 stopped and started again at will.
 On a machine busy with other jobs, `OMP_NUM_THREADS=1 python -m experiments.study sweep ...` trains
@@ -29,18 +32,24 @@ faster: two OpenMP threads on oversubscribed cores spend their time waiting for 
     for k in 1 2; do OMP_NUM_THREADS=1 python -m experiments.study sweep tune-long --part=$k/2 & done; wait
     for k in 1 2; do OMP_NUM_THREADS=1 python -m experiments.study sweep compare-long --part=$k/2 & done; wait
 
-A plan that needs another's results (compare-long needs tune-long) starts after all its parts end.
+A plan that needs another's results (compare-long needs tune-long) starts after all its parts end;
+`lev-variants-seed2` instead waits, in each part, until the other parts have finished `lev-variants`,
+so the third part runs in one go:
+
+    for k in 1 2; do OMP_NUM_THREADS=1 python -m experiments.study sweep lev-variants vocab32k-long lev-variants-seed2 --part=$k/2 & done; wait
 """
 import glob
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 import numpy as np
 
-from experiments.runs import finished, log_records, train as train_run
+from experiments import lev_variants
+from experiments.runs import finished, log_records, shown, train as train_run, wait
 from prepare_data import UserError, load_meta, read_shard, run_main, shard_paths, write_shard
 from train import SIZES
 
@@ -55,6 +64,20 @@ SEEDS = (1337, 1338)
 FIRST_FORM = ["--lev_sigmoid_scale=1"]
 LONG_SHAPE = ["--d_model=64", "--n_layer=2", "--n_head=2"]  # regime (a)
 WIDTHS = (64, 128, 256)  # the width sweep: the tiny depth (4 layers), heads of 32 dims
+# The third part's lev: the long regime's tune-long choice (study.md, "Long comparison: results").
+LONG_LEV = dict(arm="lev", lr=3e-3, lr_input=0.1, lr_head=30.0)
+# LEV's variants, each one change from leviathan.py's LEV, as the options that make it: train.py's,
+# or lev_variants.py's --lev_variant=, with which the sweep runs it (that file says why).
+LEV_VARIANTS = {
+    "plain-sigmoid": ["--lev_sigmoid_scale=1"],  # 3b: t = sigmoid(u), not sigmoid(u / 2)
+    "raw-basis": [lev_variants.OPTION + "raw-basis"],  # 3c: the basis not renormalised
+    "knot-scale": [lev_variants.OPTION + "knot-scale"],  # 3c: a learnable scale on the distance to the knots
+    "knots32": ["--lev_knots=32"],  # 3c: the paper's v1 knot count
+}
+# The two-seed spread of the long comparison's lev in final validation loss: 27.30 and 26.05 ppl
+# (seeds 1337 and 1338), ln(27.30 / 26.05) = 0.047 nats. A variant that moves lev's final loss by
+# more gets a second seed.
+LEV_SEED_SPREAD = 0.047
 
 
 def grid(arm, lrs, scales):
@@ -113,7 +136,29 @@ PLANS = {
     "tune-long": dict(data="data/demo-tune", steps=750, seeds=SEEDS[:1], options=LONG_SHAPE, runs=multiplier_grid()),
     "compare-long": dict(data="data/demo-final", steps=3000, seeds=SEEDS, options=LONG_SHAPE, runs="best",
                          tuned_on="tune-long", evaluations=12),
+    # The third part, fixed before any of its runs; every setting is written out here, none taken
+    # from earlier run folders. All in the long comparison's regime (LONG_SHAPE, 3,000 steps, the
+    # final half, an evaluation every 250 steps, the paper's step 3b).
+    # Is the gap to tied the reconstruction's? Lev at its tune-long rates, and each of
+    # LEV_VARIANTS, one change from it at those rates (not retuned), seed 1337. Lev itself reruns
+    # compare-long's seed-1337 run, so that every variant is compared with a run of the same code
+    # on the same machine.
+    "lev-variants": dict(data="data/demo-final", steps=3000, seeds=SEEDS[:1], options=LONG_SHAPE, evaluations=12,
+                         runs=[LONG_LEV] + [dict(LONG_LEV, variant=name) for name in LEV_VARIANTS]),
+    # Seed 1338 for every variant whose seed-1337 final loss differs from lev's by more than
+    # LEV_SEED_SPREAD, and for lev itself if any does (second_seed_runs): decided by this rule
+    # from lev-variants' results, not by hand. A sweep in parts waits here for the other parts'
+    # lev-variants runs.
+    "lev-variants-seed2": dict(data="data/demo-final", steps=3000, seeds=SEEDS[1:], options=LONG_SHAPE,
+                               evaluations=12, runs="second-seed", derived_from="lev-variants"),
+    # Does the vocabulary matter? The same regime at 32,768 ids, one seed, each arm at the rates it
+    # preferred at 8,192 ids in tune-long (tied: table x10; untied: head x30; lev: LEV x0.1, head
+    # x30), carried over, not retuned at 32,768 ids.
+    "vocab32k-long": dict(data="data/demo32k-final", steps=3000, seeds=SEEDS[:1], options=LONG_SHAPE, evaluations=12,
+                          runs=[LONG_LEV, dict(arm="tied", lr=3e-3, lr_input=10.0, lr_head=1.0),
+                                dict(arm="untied", lr=3e-3, lr_input=1.0, lr_head=30.0)]),
 }
+VARIANT_PLANS = ("lev-variants", "lev-variants-seed2")  # lev against its variants: no tied or untied arm
 FIRST_TUNING = ("tune", "edges")
 # scored on the tuning half: only their last step, no buckets or plots
 TUNING_PLANS = FIRST_TUNING + tuple(f"width{d}" for d in WIDTHS) + ("tune-long",)
@@ -165,7 +210,19 @@ def prepare(sources=("data/demo", "data/demo32k")):
 
 def run_name(run, seed):
     head = "" if run["arm"] == "tied" else f"-head{run['lr_head']:g}"
-    return f"{run['arm']}-lr{run['lr']:g}-in{run['lr_input']:g}{head}-seed{seed}"
+    return f"{arm_label(run['arm'], run.get('variant'))}-lr{run['lr']:g}-in{run['lr_input']:g}{head}-seed{seed}"
+
+
+def arm_label(arm, variant=None):
+    """How the tables name an arm: lev's variants as lev-<variant> (the start of their run folders' names)."""
+    return f"{arm}-{variant}" if variant else arm
+
+
+def run_label(config):
+    """arm_label of a run from its config.json: the variant is in its folder's name only (run_name)."""
+    arm, name = config["train"]["embedding"], os.path.basename(config["train"]["out_dir"])
+    variant = next((v for v in LEV_VARIANTS if name.startswith(arm_label(arm, v) + "-lr")), None)
+    return arm_label(arm, variant)
 
 
 def final_eval(out_dir):
@@ -198,11 +255,29 @@ def retuned_runs():
     return [with_edges for with_edges, tune_only in choices if with_edges != tune_only]
 
 
+def second_seed_runs(plan_name):
+    """The runs of the plan that get a second seed: every variant whose final validation loss at
+    the first seed differs from lev's by more than LEV_SEED_SPREAD, and lev itself if any does."""
+    plan = PLANS[plan_name]
+    losses = []
+    for run in plan["runs"]:
+        ev = final_eval(os.path.join(STUDY_DIR, plan_name, run_name(run, plan["seeds"][0])))
+        if not (ev and ev["step"] == plan["steps"]):
+            raise UserError(f"the {plan_name} runs are not all finished: run `python -m experiments.study sweep "
+                            f"{plan_name}` first")
+        losses.append(ev["val_loss"])
+    lev_loss = losses[plan["runs"].index(LONG_LEV)]
+    moved = [run for run, loss in zip(plan["runs"], losses) if abs(loss - lev_loss) > LEV_SEED_SPREAD]
+    return [LONG_LEV] + moved if moved else []
+
+
 def planned_runs(plan_name):
-    """(out_dir, train.py arguments but --out_dir) of every run of the plan, in order."""
+    """(out_dir, train.py arguments but --out_dir) of every run of the plan, in order; a variant's
+    arguments include --lev_variant= where lev_variants.py must run it."""
     plan = PLANS[plan_name]
     runs = ([best_settings(arm, (plan.get("tuned_on", "tune"),)) for arm in ARMS] if plan["runs"] == "best"
-            else retuned_runs() if plan["runs"] == "retuned" else plan["runs"])
+            else retuned_runs() if plan["runs"] == "retuned"
+            else second_seed_runs(plan["derived_from"]) if plan["runs"] == "second-seed" else plan["runs"])
     out = []
     for seed in plan["seeds"]:  # all arms at one seed before the next: a cut-short sweep stays comparable
         for run in runs:
@@ -213,7 +288,7 @@ def planned_runs(plan_name):
                     f"--total_tokens={plan['steps'] * BATCH_TOKENS}", f"--eval_interval={plan['steps'] // evaluations}",
                     "--eval_tokens=1000000000"]  # the whole validation half
             args += [] if run["arm"] == "tied" else [f"--lr_head={run['lr_head']}"]
-            out.append((out_dir, args + plan["options"]))
+            out.append((out_dir, args + plan["options"] + LEV_VARIANTS.get(run.get("variant"), [])))
     return out
 
 
@@ -233,6 +308,10 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
     k, n = part
     for plan_name in plan_names:
         plan = PLANS[plan_name]
+        if "derived_from" in plan and not wait_for_other_parts(plan["derived_from"], part, deadline):
+            print(f"not run: {plan_name} (the {plan['derived_from']} runs it needs were not finished by the deadline)",
+                  flush=True)
+            continue
         for out_dir, args in planned_runs(plan_name)[k - 1::n]:
             if finished(out_dir):
                 continue
@@ -241,13 +320,45 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
             if deadline and time.time() + (estimate or 0) > deadline:  # a shape not yet measured: try it
                 print(f"not run: {out_dir} (estimated {(estimate or 0) / 60:.0f} min, past the deadline)", flush=True)
                 continue
-            code, stopped = train_run(out_dir, args, output=os.path.join(out_dir, "train.out"), deadline=deadline,
-                                      note=f" (estimated {estimate / 60:.0f} min)" if estimate else "")
+            start = train_lev_variant if any(a.startswith(lev_variants.OPTION) for a in args) else train_run
+            code, stopped = start(out_dir, args, output=os.path.join(out_dir, "train.out"), deadline=deadline,
+                                  note=f" (estimated {estimate / 60:.0f} min)" if estimate else "")
             if stopped:  # train.py saved a checkpoint and exited: rerun to resume
                 print(f"  stopped at the deadline; `python -m experiments.study sweep {plan_name}` resumes it",
                       flush=True)
             elif code:
                 print(f"  train.py exited with {code}; see {out_dir}/train.out", flush=True)
+
+
+def wait_for_other_parts(plan_name, part, deadline=None, poll_s=60):
+    """Wait until the runs of the plan that the other parts of a --part sweep train have finished:
+    a plan derived from its results needs all of them. This part's own runs are already behind it.
+    False if the deadline came first; without one, it waits as long as the other parts take (so
+    start them all)."""
+    k, n = part
+    others = [out_dir for i, (out_dir, _) in enumerate(planned_runs(plan_name)) if i % n != k - 1]
+    if not all(finished(out_dir) for out_dir in others):
+        print(f"{time.strftime('%H:%M')} waiting for the other parts to finish {plan_name}", flush=True)
+    while not all(finished(out_dir) for out_dir in others):
+        if deadline and time.time() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def train_lev_variant(run_dir, options, output, deadline=None, note=""):
+    """runs.train for a run of a variant of lev_variants.py: the same run folder, resume, output
+    and deadline, with `python -m experiments.lev_variants` in place of train.py (so, like every
+    study command, from the repository root)."""
+    options = [*options, f"--out_dir={run_dir}"]
+    if os.path.exists(os.path.join(run_dir, "ckpt.pt")):
+        options.append("--resume")
+    argv = [sys.executable, "-m", lev_variants.__name__, *options]
+    print(f"{time.strftime('%H:%M')} {shown(argv)}{note}", flush=True)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(output, "a") as f:  # the child has its own copy of the file
+        process = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return wait(process, deadline)
 
 
 # ---------------------------------------------------------------------------- results
@@ -282,15 +393,15 @@ def table(root=STUDY_DIR):
         result = (f"{ev['step']} | {ev['tokens_seen']:,} | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f}"
                   if ev else "- | - | - | -")
         speed_text = f"{speed:,.0f}" if speed else "-"
-        print(f"| {plan} | {t['embedding']} | {' | '.join(settings(config))} | {t['seed']} | {result} | {speed_text} |")
+        print(f"| {plan} | {run_label(config)} | {' | '.join(settings(config))} | {t['seed']} | {result} | {speed_text} |")
     groups = {}  # (plan, arm, settings) -> the finished runs' last evaluations, one per seed
     curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
     for plan, config, ev, _ in runs:
         if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
-            groups.setdefault((plan, config["train"]["embedding"], settings(config)), []).append(ev)
+            groups.setdefault((plan, run_label(config), settings(config)), []).append(ev)
             run_dir = os.path.join(root, plan, os.path.basename(config["train"]["out_dir"]))
             curve = {r["step"]: (r["tokens_seen"], r["val_loss"]) for r in log_records(run_dir, "eval")}
-            curves.setdefault((plan, config["train"]["embedding"]), []).append(curve)
+            curves.setdefault((plan, run_label(config)), []).append(curve)
     print("\nMean over seeds (spread: max - min); finished runs only:\n")
     print("| plan | arm | lr, input, head | seeds | val loss | val ppl (each seed) | ppl spread |")
     print("|---|---|---|---|---|---|---|")
@@ -300,7 +411,11 @@ def table(root=STUDY_DIR):
               f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)}) | "
               + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
     for plan in sorted({key[0] for key in groups} - set(TUNING_PLANS)):
-        gap_table(plan, {arm: c for (p, arm), c in curves.items() if p == plan})
+        plan_curves = {arm: c for (p, arm), c in curves.items() if p == plan}
+        if plan in VARIANT_PLANS:
+            variant_table(plan, plan_curves)
+            continue
+        gap_table(plan, plan_curves)
         bucket_table(plan, {key[1]: evs for key, evs in groups.items() if key[0] == plan})
     width_rule(root)
 
@@ -358,13 +473,26 @@ def gap_table(plan, curves_by_arm):
     difference to each baseline in nats (and in perplexity): the gap along training."""
     arms = [arm for arm in ARMS if arm in curves_by_arm]
     baselines = [arm for arm in ("tied", "untied") if "lev" in arms and arm in arms]
+    difference_table(plan, curves_by_arm, arms, [("lev", b) for b in baselines])
+
+
+def variant_table(plan, curves_by_arm):
+    """gap_table for lev's variants: each variant's loss along training, and its difference to lev's."""
+    variants = [arm_label("lev", v) for v in LEV_VARIANTS if arm_label("lev", v) in curves_by_arm]
+    arms = (["lev"] if "lev" in curves_by_arm else []) + variants
+    difference_table(plan, curves_by_arm, arms, [(v, "lev") for v in variants if "lev" in arms])
+
+
+def difference_table(plan, curves_by_arm, arms, pairs):
+    """Markdown: the arms' validation loss at each evaluation all their runs made (mean over
+    seeds), then each pair's difference a - b in nats (and in perplexity)."""
     steps = sorted(set.intersection(*(set(c) for arm in arms for c in curves_by_arm[arm])))
     print(f"\n{plan}: validation loss along training (mean over seeds, nats)\n")
-    print("| step | tokens | " + " | ".join(arms + [f"lev - {b}" for b in baselines]) + " |")
-    print("|---|---|" + "---|" * (len(arms) + len(baselines)))
+    print("| step | tokens | " + " | ".join(arms + [f"{a} - {b}" for a, b in pairs]) + " |")
+    print("|---|---|" + "---|" * (len(arms) + len(pairs)))
     for step in steps:
         loss = {arm: statistics.mean(c[step][1] for c in curves_by_arm[arm]) for arm in arms}
-        gaps = [loss["lev"] - loss[b] for b in baselines]
+        gaps = [loss[a] - loss[b] for a, b in pairs]
         cells = [f"{loss[a]:.4f}" for a in arms] + [f"{g:+.4f} ({100 * np.expm1(g):+.1f}%)" for g in gaps]
         print(f"| {step} | {curves_by_arm[arms[0]][0][step][0]:,} | " + " | ".join(cells) + " |")
 
@@ -432,7 +560,7 @@ def plot_buckets(plt, plan, runs):
 
 def plot(root=STUDY_DIR):
     """experiments/figures/loss_<plan>.png and experiments/figures/buckets_<plan>.png for every plan but
-    tuning, from its finished runs."""
+    tuning and lev's variants (one colour per arm), from its finished runs."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only, no display
@@ -440,8 +568,8 @@ def plot(root=STUDY_DIR):
     except ImportError:
         raise UserError("plot needs matplotlib: pip install matplotlib") from None
     os.makedirs(FIGURES_DIR, exist_ok=True)
-    finished = [(plan, config, ev, speed) for plan, config, ev, speed in load_runs(root)
-                if plan not in TUNING_PLANS and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
+    finished = [(plan, config, ev, speed) for plan, config, ev, speed in load_runs(root) if plan not in
+                TUNING_PLANS + VARIANT_PLANS and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
     for plan in sorted({r[0] for r in finished}):
         runs = [r for r in finished if r[0] == plan]
         plot_losses(plt, plan, runs, root)
