@@ -62,6 +62,15 @@ def id_bucket(n):
     return -(-n // step) * step
 
 
+def distinct_ids(ids):
+    """(rows, inverse): the distinct ids, sorted and padded to id_bucket() rows (id 0 fills; no
+    position gathers it), and each position's row. torch.unique's output size is known only once
+    it has run: on a GPU, the host waits for the device there. Training calls this on the CPU,
+    where the batch starts, and ships both with it (train.py's to_batch), so no step waits."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    return F.pad(unique, (0, id_bucket(len(unique)) - len(unique))), inverse
+
+
 class LEV(nn.Module):
     """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
       -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
@@ -143,14 +152,14 @@ class LEV(nn.Module):
             return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
 
     @torch.compiler.disable
-    def forward(self, ids):
+    def forward(self, ids, distinct=None):
         """ids of any shape -> [..., D]. LEV depends only on the id, so it is evaluated once per
         *distinct* id in the batch and gathered back: a batch of 262k tokens has only ~30k
-        distinct o200k ids. Their number changes every batch, so torch.unique stays outside
-        torch.compile, and the backbone after it always sees [B, T, D]."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        rows = F.pad(unique, (0, id_bucket(len(unique)) - len(unique)))  # id 0 fills; never gathered
-        # F.embedding, not generate(unique)[inverse]: bit-exact gradients (see coordinates)
+        distinct o200k ids. Their number changes every batch, so this stays outside
+        torch.compile, and the backbone after it always sees [B, T, D]. distinct: the ids'
+        distinct_ids(), when the caller has made them already (training does, on the CPU)."""
+        rows, inverse = distinct if distinct is not None else distinct_ids(ids)
+        # F.embedding, not generate(rows)[inverse]: bit-exact gradients (see coordinates)
         return F.embedding(inverse, self.generate(rows))
 
     @torch.no_grad()
@@ -471,21 +480,22 @@ class Model(nn.Module):
         if self.cfg.embedding != "tied":
             nn.init.zeros_(self.head.weight)
 
-    def embed_tokens(self, idx):
+    def embed_tokens(self, idx, distinct=None):
         if self.frozen_table is not None:
             return F.embedding(idx, self.frozen_table)
-        return self.lev(idx) if self.cfg.embedding == "lev" else self.embed(idx)
+        return self.lev(idx, distinct) if self.cfg.embedding == "lev" else self.embed(idx)
 
-    def forward(self, idx, targets=None, cache=None, reduction="mean"):
+    def forward(self, idx, targets=None, cache=None, reduction="mean", distinct=None):
         """idx [B, T] -> float32 logits [B, T, V] for every position. With targets, the
         cross-entropy instead (the mean, or per token [B, T] with reduction="none"),
-        computed chunk by chunk so the full-vocabulary logits never exist at once."""
+        computed chunk by chunk so the full-vocabulary logits never exist at once.
+        distinct: distinct_ids(idx), made by the caller (LEV only; see LEV.forward)."""
         start = cache.length if cache is not None else 0
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"{start + idx.shape[1]} positions exceed seq_len={self.cfg.seq_len}")
         cos = self.rope_cos[start:start + idx.shape[1]]
         sin = self.rope_sin[start:start + idx.shape[1]]
-        x = self.embed_tokens(idx)
+        x = self.embed_tokens(idx, distinct)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, layer)
         if cache is not None:

@@ -224,14 +224,20 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_micro_step_waits_for_the_device_once():
-    """A lev micro-step (forward and backward, loss included) waits once: torch.unique must know
-    how many distinct ids the batch has. The product needs no check of its own."""
+def test_a_micro_step_given_its_distinct_ids_never_waits_for_the_device():
+    """A lev micro-step (forward and backward, loss included) handed the batch's distinct_ids, as
+    training makes them on the CPU, never waits for the device; left to find them, it waits once,
+    in torch.unique, which must know their number. The same loss and gradients either way. The
+    product needs no check of its own."""
     model = micro_model("lev")
     x, y = torch.randint(0, 300, (2, 2, 16)).unbind(0)
-    with HostSyncs() as syncs:
-        model(x, y).backward()
-    assert syncs.calls == ["unique"], syncs.calls
+    grads = []
+    for distinct, waits in [(leviathan.distinct_ids(x), []), (None, ["unique"])]:
+        with HostSyncs() as syncs:
+            loss = model(x, y, distinct=distinct)
+            grads.append([loss, *torch.autograd.grad(loss, list(model.parameters()))])
+        assert syncs.calls == waits, syncs.calls
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def kernel_calls(heads, n, rank, group):
@@ -750,6 +756,13 @@ def test_compiled_model_does_not_recompile_when_distinct_ids_change():
         counts.append(len(graphs))
     assert counts[0] > 0
     assert counts[1:] == counts[:1] * 3, f"graphs compiled after each batch: {counts}"
+    # Handed distinct_ids (training), the rows' number is an input of the graph before LEV: its
+    # second size makes it dynamic, one graph more, and then no more
+    for n_distinct in (5, 17, 40, 64, 100):
+        idx = torch.arange(2 * MICRO.seq_len).view(2, -1) % n_distinct
+        model(idx, idx, distinct=leviathan.distinct_ids(idx)).backward()
+        counts.append(len(graphs))
+    assert counts[5] <= counts[4] + 1 and counts[5:] == counts[5:6] * 4, f"graphs compiled after each batch: {counts}"
 
 
 def test_config_refuses_every_out_of_range_field():

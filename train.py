@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from leviathan import EMBEDDINGS, Config, Model, padded_vocab
+from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, parse_bool, parse_number, print_error,
                           read_shard, shard_paths, tokenizer_from_meta, write_json)
 from sample import load_checkpoint, precision
@@ -257,6 +257,11 @@ class Run:
     def position(self):
         """Windows consumed: the data position of step `step`, the same for any world size."""
         return self.step * self.step_windows
+
+    @property
+    def lev(self):
+        """Whether batches carry LEV's distinct ids (to_batch)."""
+        return self.model_config.embedding == "lev"
 
     @property
     def n_buckets(self):
@@ -577,11 +582,16 @@ def lr_at(step, config, max_steps):
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
 
 
-def to_batch(windows, device):
+def to_batch(windows, device, lev):
+    """(inputs, targets, distinct) on the device; for LEV, distinct is the inputs' distinct_ids,
+    made here on the CPU so that the step need not wait for the device to know their number. On a
+    GPU all three go in one pinned copy that the host does not wait for."""
     xy = torch.from_numpy(np.stack(windows).astype(np.int64))
+    parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
     if device.type == "cuda":
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    return xy[:, :-1], xy[:, 1:]
+        flat = torch.cat([part.flatten() for part in parts]).pin_memory().to(device, non_blocking=True)
+        parts = [piece.view(part.shape) for piece, part in zip(flat.split([part.numel() for part in parts]), parts)]
+    return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
 
 
 def train_step(run):
@@ -593,10 +603,10 @@ def train_step(run):
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
         first = run.position + (run.rank * run.accum + micro) * micro_batch
-        x, y = to_batch([run.train[p] for p in range(first, first + micro_batch)], run.device)
+        x, y, distinct = to_batch([run.train[p] for p in range(first, first + micro_batch)], run.device, run.lev)
         last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
         with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
-            loss = run.model(x, y)
+            loss = run.model(x, y, distinct=distinct)
         (loss / run.accum).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.config.grad_clip)
@@ -660,9 +670,9 @@ def evaluate(run):
         windows = rank_windows[i:i + micro_batch]
         # An uneven last batch is padded with copies of its last window, whose losses are dropped:
         # a batch of another shape would make the compiled model compile again.
-        x, y = to_batch(windows + windows[-1:] * (micro_batch - len(windows)), run.device)
+        x, y, distinct = to_batch(windows + windows[-1:] * (micro_batch - len(windows)), run.device, run.lev)
         with run.autocast:
-            losses = model(x, y, reduction="none")[:len(windows)]
+            losses = model(x, y, reduction="none", distinct=distinct)[:len(windows)]
         targets = y[:len(windows)].flatten().cpu().numpy()
         n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
         nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import leviathan
 import sample
 import train
 from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, logged_losses, prepare_corpus,
@@ -399,9 +400,43 @@ def test_an_uneven_last_eval_batch_is_padded_to_the_same_shape(train_data, tmp_p
     run.raw_model.forward = lambda x, y, **kw: shapes.append(tuple(x.shape)) or forward(x, y, **kw)
     result = train.evaluate(run)
     assert shapes == [(8, 32), (8, 32)] and result["eval_tokens"] == 10 * 32
-    x, y = train.to_batch(run.val, run.device)
+    x, y, distinct = train.to_batch(run.val, run.device, run.lev)
     with torch.no_grad():
-        assert result["val_loss"] == pytest.approx(forward(x, y).item(), abs=1e-5)
+        assert result["val_loss"] == pytest.approx(forward(x, y, distinct=distinct).item(), abs=1e-5)
+
+
+def test_training_finds_lev_distinct_ids_with_the_batch_not_in_the_model(train_data, tmp_path):
+    """LEV's torch.unique runs in to_batch, where the batch starts on the CPU, not in the model's
+    forward, where on a GPU the host would wait for the device to know their number: a step's
+    micro-steps run no unique op inside the model, and hand it the inputs' distinct_ids."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class UniqueOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "unique" in func.__name__:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    run = train.open_run([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN])
+    train.build(run)
+    assert run.lev and run.accum == 2
+    calls, forward = [], run.model.forward
+
+    def watched_forward(x, y, distinct=None, **kwargs):
+        rows, inverse = leviathan.distinct_ids(x)
+        assert torch.equal(distinct[0], rows) and torch.equal(distinct[1], inverse)
+        with UniqueOps() as census:
+            loss = forward(x, y, distinct=distinct, **kwargs)
+        calls.append(census.ops)
+        return loss
+
+    run.model.forward = watched_forward
+    train.train_step(run)
+    assert calls == [[], []]
 
 
 def test_peak_flops_match_whole_words_of_the_device_name():
