@@ -11,10 +11,10 @@
 
 Both compute steps 3c-3e through the dense equations of LEV.generate_reference with their own
 basis: away from s = kappa - 1 more than three knots can be non-zero, so the fast path's
-three-knot kernels do not apply. Slower than the fast path, but the same arithmetic as the
-reference. Every other step, the parameters and their initialisation are LEV's, so at a given
-seed a variant starts from the same values as leviathan.py's LEV. Resume works as for train.py:
-the knot scale is a parameter, in the checkpoint.
+three-knot kernels do not apply. Slower than the fast path: the reference's equations, compiled
+above a test's size (fused, so rounded differently). Every other step, the parameters and their
+initialisation are LEV's, so at a given seed a variant starts from the same values as
+leviathan.py's LEV. Resume works as for train.py: the knot scale is a parameter, in the checkpoint.
 """
 import sys
 
