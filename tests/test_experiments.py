@@ -518,8 +518,8 @@ def test_bench_gpu_verdict_passes_and_fails_each_check():
                                                           "graph_breaks 1.2b", "recompiles 1.2b")}
     assert bench.gpu_failures({"runs": runs, "checks": checks}) == []
     over = {"resume": (5e-7, "5e-07 vs 0"), "ddp": (1.5e-3, "0.0015 vs 0.001"), "eager": (1, "1 vs 0"),
-            "memory 200m": (10.0, "10.0 GB vs 9.9 GB"), "memory 200m ddp": (10.0, "10.0 GB vs 9.9 GB"),
-            "memory 1.2b": (42.0, "42.0 GB vs 41.8 GB"), "lev_share": (0.051, "5.1% vs 5.0%"),
+            "memory 200m": (9.0, "9.0 GB vs 8.8 GB"), "memory 200m ddp": (9.0, "9.0 GB vs 8.8 GB"),
+            "memory 1.2b": (41.0, "41.0 GB vs 40.7 GB"), "lev_share": (0.051, "5.1% vs 5.0%"),
             "lev_reference": (2e-4, "0.0002 vs 0.0001"), "loss_reference": (0.03, "0.03 vs 0.02"),
             "first_loss": (0.01, "0.01 vs 0.001"), "loss_falls": (0.95, "0.95 vs 0.9"),
             "mfu 1.2b": (0.19, "19.0% vs 20.0%"),  # a floor: below it fails
@@ -530,7 +530,7 @@ def test_bench_gpu_verdict_passes_and_fails_each_check():
             f"FAIL {check}: not measured vs {text.split(' vs ')[1]}"]
     crashed = {**runs, "1.2b": {"exit": 1, "error": "error: CUDA out of memory"}}
     assert bench.gpu_failures({"runs": crashed, "checks": {**checks, "memory 1.2b": None, "lev_share": None}}) == [
-        "FAIL run 1.2b: exit status 1 (error: CUDA out of memory) vs 0", "FAIL memory 1.2b: not measured vs 41.8 GB",
+        "FAIL run 1.2b: exit status 1 (error: CUDA out of memory) vs 0", "FAIL memory 1.2b: not measured vs 40.7 GB",
         "FAIL lev_share: not measured vs 5.0%"]
 
 
@@ -613,6 +613,18 @@ def test_bench_gpu_refuses_a_full_folder_and_fails_cleanly_when_runs_crash(train
     assert any(line.startswith("FAIL run 1.2b: exit status 1 (error: ") and "no train shards" in line
                for line in figures["failures"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_bench_gpu_stops_the_runs_at_its_time_budget(train_data, tmp_path, monkeypatch, capsys):
+    """The acceptance test ends in bounded time whatever its runs cost: a train.py run still going
+    RUNS_END_S after the start is killed (here the budget is spent before the first run starts),
+    the checks it was to measure fail as not measured, and LEV alone still runs after it."""
+    monkeypatch.setattr(bench, "RUNS_END_S", 0)
+    code, lines, figures = bench_gpu_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+    assert code == 1 and {run["error"] for run in figures["runs"].values()} == {
+        "stopped at the test's time budget (0 min after its start)"}, figures["runs"]
+    assert "FAIL resume: not measured vs 0" in figures["failures"] and figures["lev"]["distinct_ids"] > 1
+    assert figures["checks"]["lev_reference"] < 1e-5  # the parts before the runs are not cut short
 
 
 # ---------------------------------------------------------------------------- study.py: LEV's variants (lev_variants.py)
