@@ -844,7 +844,13 @@ class Fused:
     warned = set()  # the `what`s that have printed their warning
 
     def __init__(self, fn, what):
-        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, dynamic=True, fullgraph=True)
+        # dynamic=True: inductor takes its size hints from the first call, and a resumed run's first
+        # batch is not the original's. Hints choose block sizes, which change no row's order of
+        # summation, and whether a long reduction over few rows is split in two kernels (Triton:
+        # fewer rows than 2x the GPU's SMs over V > 8,192, torch 2.13), which would: off, so that
+        # every process sums in the same order.
+        self.fn, self.what = fn, what
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"split_reductions": False})
 
     def __call__(self, *args):
         if self.compiled is not None:

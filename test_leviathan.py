@@ -272,16 +272,11 @@ def test_fused_kernels_match_their_eager_functions():
     assert all(kernel.compiled is not None for kernel in leviathan.FUSED_KERNELS)  # none fell back to eager
 
 
-def fused_kernel_errors_under_triton_interpreter():
-    """Runs in a fresh process (see below): Fused's kernels built by inductor's Triton code
-    generator, the one a GPU uses (with CPU block sizes), and run by Triton's interpreter on
-    CPU tensors (TRITON_INTERPRET=1). Returns, for each call, max |Triton - eager| / max |eager|
-    for each output and how many Triton kernels it launched, and whether every call generated
-    Triton source. Three stand-ins make up for the GPU:"""
-    import torch._inductor.config
-    import torch._inductor.utils
+def stand_in_for_a_gpu():
+    """What inductor's Triton code and Triton's interpreter need to run on a CPU (TRITON_INTERPRET=1
+    set before the process started): inductor's CPU backend switched from C++ to Triton (a
+    config.patch, by the caller) and two stand-ins:"""
     import torch.utils._triton
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime.interpreter import TensorHandle
@@ -300,6 +295,19 @@ def fused_kernel_errors_under_triton_interpreter():
     libdevice.isinf, libdevice.isnan = numpy_call(np.isinf, tl.int1), numpy_call(np.isnan, tl.int1)
     libdevice.ilogb = numpy_call(lambda x: (np.frexp(x)[1] - 1).astype(np.int32), tl.int32)
     libdevice.ldexp = numpy_call(lambda x, n: np.ldexp(x, n).astype(x.dtype))
+
+
+def fused_kernel_errors_under_triton_interpreter():
+    """Runs in a fresh process (see below): Fused's kernels built by inductor's Triton code
+    generator, the one a GPU uses (with CPU block sizes), and run by Triton's interpreter on
+    CPU tensors (stand_in_for_a_gpu). Returns, for each call, max |Triton - eager| / max |eager|
+    for each output and how many Triton kernels it launched, and whether every call generated
+    Triton source."""
+    import torch._inductor.config
+    import torch._inductor.utils
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    stand_in_for_a_gpu()
     calls = kernel_calls(heads=2, n=6, rank=4, group=8)
     errors, sources, launches, launch = [], [], [], CachingAutotuner.run
 
@@ -314,7 +322,6 @@ def fused_kernel_errors_under_triton_interpreter():
     plain, fused_logits = logits.clone(), logits.clone()
     calls.append((leviathan.fused_softmax_gradient_, (fused_logits, targets, n)))
     expected = {leviathan.fused_softmax_gradient_: (leviathan.softmax_gradient_(plain, targets, n), plain)}
-    # 3. inductor's CPU backend switched from C++ to Triton
     with torch._inductor.config.patch(cpu_backend="triton"):
         for fn, args in calls:
             kernel = leviathan.Fused(fn, fn.__name__)
