@@ -182,9 +182,18 @@ def load_meta(data_dir):
                         "--dataset=demo` (writes data/demo) or `python prepare_data.py` (data/pile)")
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e}); run prepare_data.py again") from None
+    def count(key):
+        return isinstance(meta.get(key), int) and meta[key] >= 0
+
+    if (not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str) or not count("vocab_size")
+            or not count("eot_id") or not meta["eot_id"] < meta["vocab_size"]
+            or not (meta.get("tokenizer_vocab_size") is None or count("tokenizer_vocab_size"))):  # None: not truncated
+        raise UserError(f"{path} lacks the tokenizer, its vocab_size or eot_id (an edited or foreign file); "
+                        "run prepare_data.py again")
+    return meta
 
 
 # ---------------------------------------------------------------------------- the tokenizer

@@ -328,9 +328,22 @@ def open_data(data_dir):
         if not paths:
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-    if not os.path.isfile(os.path.join(data_dir, "counts.npy")):
-        raise UserError(f"{data_dir}/counts.npy is missing; run prepare_data.py again")
-    return meta, splits, np.load(os.path.join(data_dir, "counts.npy"))
+    return meta, splits, load_counts(data_dir, meta["vocab_size"])
+
+
+def load_counts(data_dir, vocab_size):
+    """counts.npy: each id's count in the train split, checked here rather than at the first evaluation."""
+    path = os.path.join(data_dir, "counts.npy")
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing; run prepare_data.py again")
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
+        raise UserError(f"{path} is not a NumPy .npy array (damaged or foreign); run prepare_data.py again") from None
+    if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu":
+        raise UserError(f"{path} holds {counts.dtype} {list(counts.shape)}, not one integer count per id "
+                        f"({vocab_size:,}); run prepare_data.py again")
+    return counts
 
 
 class Windows:

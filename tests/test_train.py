@@ -525,6 +525,28 @@ def test_shard_from_another_tokenizer(train_data, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("damage", ["meta without its keys", "meta not JSON", "counts of another length",
+                                    "counts not .npy"])
+def test_damaged_sidecar_files_of_the_data_are_one_line_before_training(train_data, tmp_path, capsys, damage):
+    """meta.json and counts.npy are checked where they are opened, before the model is built: one
+    line naming the file and what to do, no run folder made. (Unchecked, a wrong-length counts.npy
+    crashed at the first evaluation, after the training before it.)"""
+    bad = tmp_path / "data"
+    shutil.copytree(train_data, bad)
+    if damage == "meta without its keys":
+        (bad / "meta.json").write_text(json.dumps({"tokenizer": "o200k_base"}))
+    elif damage == "meta not JSON":
+        (bad / "meta.json").write_bytes(b"\xff\xfe{")
+    elif damage == "counts of another length":
+        np.save(bad / "counts.npy", np.ones(7, dtype=np.int64))
+    else:
+        (bad / "counts.npy").write_bytes(b"\x80\x04garbage")
+    code = train.main([f"--data_dir={bad}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS])
+    file = "meta.json" if damage.startswith("meta") else "counts.npy"
+    assert_one_error_line(code, capsys.readouterr().err, file, "run prepare_data.py again")
+    assert not (tmp_path / "o").exists()
+
+
 def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, capsys):
     out = tmp_path / "run"
     train_cli(train_data, out, "--total_tokens=1024")
