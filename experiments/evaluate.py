@@ -173,14 +173,19 @@ def side_by_side(labels, names, focus, rows, extra=()):
 
 
 def read_results(out_dir):
+    """downstream.json: {task: {"metrics": {metric: [value, stderr]}, ...}}, checked as it is read."""
     path = os.path.join(out_dir, RESULTS_FILE)
     try:
         with open(path) as f:
-            return json.load(f)
+            results = json.load(f)
     except FileNotFoundError:
         raise UserError(f"no {path}; run python -m experiments.evaluate --out_dir={out_dir} first")
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {path}: {e}")
+        raise UserError(f"cannot read {path} ({str(e).splitlines()[0]}): move it aside to start its results afresh")
+    if not (isinstance(results, dict) and all(isinstance(entry, dict) and isinstance(entry.get("metrics"), dict)
+                                              for entry in results.values())):
+        raise UserError(f"{path} is not a results file of experiments.evaluate: move it aside to start afresh")
+    return results
 
 
 def compare(out_dirs):
@@ -230,6 +235,10 @@ def evaluate(args):
     check_device(args.device)
     if args.include_path and not os.path.isdir(args.include_path):
         raise UserError(f"--include_path {args.include_path} is not a folder")
+    # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs; the
+    # file is read (and checked) now, not after an hour of evaluation.
+    path = os.path.join(args.out_dir, RESULTS_FILE)
+    saved = read_results(args.out_dir) if os.path.exists(path) else {}
     model, tokenizer, step = load_model(args.out_dir, args.device)
     task_manager = TaskManager(include_path=args.include_path)  # indexes every task: the slow part of start-up
     tasks = [t for t in args.tasks.split(",") if t]
@@ -251,9 +260,6 @@ def evaluate(args):
     rows = result_rows(output["results"])
     table = [(task, metric, number(value), number(stderr)) for task, metric, value, stderr in rows]
     print("\n".join(markdown(["task", "metric", "value", "stderr"], table, labels=2)))
-    # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs.
-    path = os.path.join(args.out_dir, RESULTS_FILE)
-    saved = read_results(args.out_dir) if os.path.exists(path) else {}
     for task in output["results"]:
         saved[task] = {"step": step, "limit": args.limit, "lm_eval_version": output.get("lm_eval_version"),
                        "samples": output["n-samples"].get(task, {}).get("effective"),

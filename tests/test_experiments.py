@@ -282,6 +282,20 @@ def test_evaluate_bad_run_or_task_gives_one_error_line(tmp_path, capsys):
         assert_one_error_line(code, capsys.readouterr().err, phrase)
 
 
+@needs_lm_eval
+@pytest.mark.parametrize("damage", [b'{"piqa": {"metr', b'["not", "results"]'])
+def test_a_damaged_results_file_is_one_line_before_any_evaluation(tmp_path, monkeypatch, capsys, damage):
+    """downstream.json is read where evaluate starts, not after lm-eval's run: damaged, it is one
+    line naming it, and no task is evaluated (an hour lost otherwise); the file is left as it was."""
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    results = tmp_path / "run" / evaluate.RESULTS_FILE
+    results.write_bytes(damage)
+    monkeypatch.setattr(evaluate.lm_eval, "simple_evaluate", lambda **_: pytest.fail("evaluated"))
+    code = evaluate.main([f"--out_dir={run_dir}", "--tasks=piqa"])
+    assert_one_error_line(code, capsys.readouterr().err, "downstream.json", "move it aside")
+    assert results.read_bytes() == damage
+
+
 def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "lm_eval", None)
     code = evaluate.main(["--out_dir=anywhere"])
