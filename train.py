@@ -22,6 +22,11 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+try:
+    import fcntl  # POSIX: the run folder's lock (lock_run_folder); on Windows folders go unlocked
+except ImportError:
+    fcntl = None
+
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, parse_bool, parse_number, print_error,
                           read_shard, shard_paths, tokenizer_from_meta, write_json)
@@ -237,6 +242,7 @@ class Run:
     train: "Windows"
     val: list  # the fixed validation windows
     ckpt: dict | None  # the checkpoint resumed from, until build() has restored it
+    lock: int | None  # rank 0: the run folder's locked descriptor (lock_run_folder)
     device: torch.device
     rank: int
     world: int
@@ -418,15 +424,37 @@ def open_run(argv):
             import wandb  # noqa: F401  (checked now, started once the run folder exists)
         except ImportError:
             raise UserError("--wandb_project needs wandb: pip install wandb") from None
-    if rank == 0:  # the last check: the run folder is made only once everything else is right
+    lock = None
+    if rank == 0:  # the last checks: the run folder is made only once everything else is right
         try:
             os.makedirs(config.out_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"--out_dir={config.out_dir}: cannot create it ({e.strerror})") from None
-    return Run(config=config, model_config=model_cfg, meta=meta, counts=counts,
+        lock = lock_run_folder(config.out_dir)
+    return Run(config=config, model_config=model_cfg, meta=meta, counts=counts, lock=lock,
                byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), train=train, val=val, ckpt=ckpt,
                device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
                step_windows=config.batch_tokens // config.seq_len, max_steps=config.total_tokens // config.batch_tokens)
+
+
+def lock_run_folder(out_dir):
+    """One train.py at a time per run folder: an exclusive lock on the folder itself (nothing is
+    written), held by rank 0 until the run ends; the kernel drops it when a process dies, so a
+    crashed run leaves none behind. Returns the locked descriptor (None where the filesystem has
+    no locks, as some cluster filesystems do: the folder then goes unlocked)."""
+    if fcntl is None:
+        return None
+    folder = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(folder)
+        raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
+                        "another --out_dir") from None
+    except OSError:
+        os.close(folder)
+        return None
+    return folder
 
 
 # ---------------------------------------------------------------------------- model and optimizer
@@ -580,6 +608,8 @@ def main(argv):
     finally:
         if run.rank == 0:
             run.writer.finish()  # a checkpoint still being written is completed
+        if run.lock is not None:
+            os.close(run.lock)  # the folder is free for the next run
     return shut_down(code)
 
 

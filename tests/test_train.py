@@ -547,6 +547,26 @@ def test_damaged_sidecar_files_of_the_data_are_one_line_before_training(train_da
     assert not (tmp_path / "o").exists()
 
 
+def test_a_run_folder_takes_one_train_py_at_a_time_and_a_killed_one_frees_it(train_data, tmp_path, capsys):
+    """Two runs started into one --out_dir would interleave their log.jsonl: the second is one error
+    line, and writes nothing. The lock dies with its process: killed, it leaves the folder free."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"import time, train; train.lock_run_folder({str(out)!r}); "
+                               "print('locked', flush=True); time.sleep(120)"],
+                              cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=1024"])
+        assert_one_error_line(code, capsys.readouterr().err, "another train.py is running in", "--out_dir")
+        assert not list(out.iterdir())
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=1024"]) == 0
+    assert (out / "ckpt.pt").exists()
+
+
 def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, capsys):
     out = tmp_path / "run"
     train_cli(train_data, out, "--total_tokens=1024")
