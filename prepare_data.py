@@ -33,7 +33,8 @@ def print_error(e):
 
 def run_main(command, argv=None):
     """A script's command(argv), its exit status returned: a UserError is reported as one line
-    (status 1) and Ctrl-C as one line (130), so no traceback reaches the user."""
+    (status 1) and Ctrl-C as one line (130), so no traceback reaches the user. Output piped into a
+    reader that stops early (`| head`) ends the script quietly, as it would a Unix tool."""
     try:
         command(argv)
     except UserError as e:
@@ -42,6 +43,8 @@ def run_main(command, argv=None):
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
     return 0
 
 
@@ -64,10 +67,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_number(kind):
-    """int or float from an option's text; ints also as 262_144 or 4.2e9 (when whole)."""
+    """The number rule of every script's options: int or float from an option's text; ints also as
+    262_144 or 4.2e9 (when whole), exactly however large when written out. Ranges are each option's."""
     def parse(text):
+        digits = text.replace("_", "")
         try:
-            number = float(text.replace("_", ""))
+            if kind is int and digits.lstrip("+-").isdigit():
+                return int(digits)
+            number = float(digits)
             if kind is int and number != int(number):
                 raise ValueError
             return kind(number)
@@ -579,17 +586,19 @@ def _parse_args(argv):
     parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
     parser.add_argument("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
-    parser.add_argument("--val_fraction", type=float,
+    parser.add_argument("--val_fraction", type=parse_number(float),
                         help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
-    parser.add_argument("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
-    parser.add_argument("--max_tokens", type=int, help="stop the train split after this many tokens")
-    parser.add_argument("--shard_tokens", type=int, default=100_000_000,
+    parser.add_argument("--val_tokens", type=parse_number(int), default=10_000_000,
+                        help="stop the val split at this many tokens")
+    parser.add_argument("--max_tokens", type=parse_number(int), help="stop the train split after this many tokens")
+    parser.add_argument("--shard_tokens", type=parse_number(int), default=100_000_000,
                         help="tokens per shard (the last of a split: the rest)")
     parser.add_argument("--tokenizer", default="o200k_base", help="tiktoken encoding name")
-    parser.add_argument("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
+    parser.add_argument("--vocab_size", type=parse_number(int),
+                        help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
     parser.add_argument("--name", help="output folder name under data/ (default: from --dataset)")
     parser.add_argument("--out_dir", help="output folder (default: data/NAME)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
+    parser.add_argument("--workers", type=parse_number(int), default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01

@@ -10,13 +10,13 @@ Inference choices, each explained where it is made below:
   model's seq_len, the last seq_len // 2 tokens are kept and re-read into a fresh cache.
 - Padding ids (the vocabulary rounded up to a multiple of 128) are never sampled.
 """
-import os, sys, time
+import math, os, sys, time, zipfile
 from contextlib import nullcontext
 
 import torch
 
 from leviathan import Config, Model, generate
-from prepare_data import ArgumentParser, UserError, parse_bool, run_main, tokenizer_from_meta
+from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, run_main, tokenizer_from_meta
 
 # ---------------------------------------------------------------------------- a trained model from its checkpoint
 
@@ -25,10 +25,16 @@ def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
     """A train.py checkpoint, checked to hold `keys`. Always onto the CPU, whatever device saved
     it: each rank copies only the weights into its own GPU.
     Memory-mapped: only the tensors used are read, and ranks on one node share one copy."""
+    if not zipfile.is_zipfile(path):  # torch.save's format: an empty, cut-short or foreign file is no zip
+        size = os.path.getsize(path)
+        what = "it is empty" if size == 0 else f"its {size:,} bytes are not in torch.save's format"
+        raise UserError(f"{path} is not a checkpoint ({what}): a save cut short, or another file; "
+                        "use another --out_dir, or train again")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a truncated file, not a checkpoint, or pickled objects
-        raise UserError(f"could not read {path} ({type(e).__name__}: {e}); is it a train.py checkpoint?") from None
+    except Exception as e:  # a damaged zip, or pickled objects
+        reason = str(e).splitlines()[0][:200]
+        raise UserError(f"could not read {path} ({type(e).__name__}: {reason}); is it a train.py checkpoint?") from None
     missing = [key for key in keys if not isinstance(ckpt, dict) or key not in ckpt]
     if missing or not isinstance(ckpt["model"], dict):
         raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing or ['model'])})")
@@ -91,7 +97,9 @@ def check_device(name):
     try:
         torch.empty(1, device=name)
     except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
-        raise UserError(f"device {name!r} is not usable here ({str(e).splitlines()[0]}); try --device=cpu") from None
+        reason = str(e).splitlines()[0]
+        reason = reason if len(reason) <= 120 else "this torch was not built for it"  # not its list of backends
+        raise UserError(f"device {name!r} is not usable here ({reason}); try --device=cpu") from None
 
 
 # ---------------------------------------------------------------------------- streaming text
@@ -131,12 +139,12 @@ def parse_args(argv):
     parser.add_argument("--out_dir", required=True, help="run folder holding ckpt.pt")
     parser.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
     parser.add_argument("--prompt_file", help="read the prompt from this UTF-8 file (one final newline is dropped)")
-    parser.add_argument("--num_samples", type=int, default=1, help="samples from the same prompt")
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="tokens per sample at most")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=200, help="0 = off")
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
-    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling generator")
+    parser.add_argument("--num_samples", type=parse_number(int), default=1, help="samples from the same prompt")
+    parser.add_argument("--max_new_tokens", type=parse_number(int), default=256, help="tokens per sample at most")
+    parser.add_argument("--temperature", type=parse_number(float), default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=parse_number(int), default=200, help="0 = off")
+    parser.add_argument("--top_p", type=parse_number(float), default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    parser.add_argument("--seed", type=parse_number(int), default=1337, help="seed of the sampling generator")
     parser.add_argument("--stop_at_eot", type=parse_bool, nargs="?", const=True, default=True,
                         help="stop a sample at end-of-text (default true)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -146,8 +154,10 @@ def parse_args(argv):
     parser.add_argument("--bf16", type=parse_bool, nargs="?", const=True, default=None,
                         help="bf16 autocast, as in training (default: on for CUDA, off for CPU)")
     args = parser.parse_args(argv)
-    if not args.temperature >= 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:
+        raise UserError(f"--temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in [0, 2^63), as train.py's, got {args.seed}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1] (1 = off), got {args.top_p}")
     if args.top_k < 0:

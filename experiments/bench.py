@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from experiments import runs
 from leviathan import (EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Fused, Model, compile_lev, generate,
                        linear_cross_entropy, padded_vocab)
-from prepare_data import ArgumentParser, UserError, demo_documents, get_tokenizer, load_meta, run_main, write_json
+from prepare_data import (ArgumentParser, UserError, demo_documents, get_tokenizer, load_meta, parse_number, run_main,
+                          write_json)
 from train import SIZES
 
 PREPARE_DATA = os.path.join(runs.ROOT, "prepare_data.py")
@@ -883,7 +884,8 @@ def bench(argv):
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all but gpu)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
-    parser.add_argument("--repeats", type=int, default=5, help="each figure is the median of this many runs")
+    parser.add_argument("--repeats", type=parse_number(int), default=5,
+                        help="each figure is the median of this many runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--out_dir", default=os.path.join("out", "bench-gpu"),
                         help="gpu: the folder of its runs and checkpoints, new or empty; deleted at the end")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import ArgumentParser, UserError, run_main
+from prepare_data import ArgumentParser, UserError, parse_number, run_main
 from train import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
@@ -37,13 +37,14 @@ def parse_args(argv):
     parser.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: evaluate.py's "
                         "six); empty: none")
     parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
-    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count(),
+    parser.add_argument("--gpus", type=parse_number(int), default=torch.cuda.device_count(),
                         help="GPUs per arm (default: all visible); more than one trains under torchrun")
     args = parser.parse_args(own)
     if args.size not in SIZES:
         raise UserError(f"--size={args.size}: choose one of {', '.join(SIZES)}")
-    if args.gpus < 0:
-        raise UserError(f"--gpus={args.gpus}: must be 0 (CPU) or more")
+    if not 0 <= args.gpus <= torch.cuda.device_count():
+        raise UserError(f"--gpus={args.gpus}: this machine has {torch.cuda.device_count()} GPU(s) "
+                        "(0: train on the CPU)")
     if any(o.split("=")[0] in ("--size", "--embedding", "--out_dir", "--resume") for o in train_options):
         raise UserError("experiments.compare sets --size, --embedding, --out_dir and --resume of its train.py runs "
                         "itself")

@@ -27,7 +27,7 @@ import json, os, sys
 
 import torch
 
-from prepare_data import ArgumentParser, UserError, parse_bool, run_main, write_json
+from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, run_main, write_json
 from sample import check_device, load_model, precision
 
 try:
@@ -211,8 +211,8 @@ def parse_args(argv):
     parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
     parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
-    parser.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
-    parser.add_argument("--batch_size", type=int, default=16,
+    parser.add_argument("--limit", type=parse_number(int), help="only the first N examples of each task (a quick look)")
+    parser.add_argument("--batch_size", type=parse_number(int), default=16,
                         help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda, cuda:1, ...")

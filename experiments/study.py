@@ -587,7 +587,10 @@ def parse_deadline(text):
         raise UserError(f"--deadline={text}: expected HH:MM") from None
     if not (0 <= hours <= 23 and 0 <= minutes <= 59):
         raise UserError(f"--deadline={text}: expected HH:MM with hours 0-23 and minutes 0-59")
-    return time.mktime(time.localtime()[:3] + (hours, minutes, 0, 0, 0, -1))
+    deadline = time.mktime(time.localtime()[:3] + (hours, minutes, 0, 0, 0, -1))
+    if deadline <= time.time():  # else every run would be skipped, and the sweep end at once
+        raise UserError(f"--deadline={text} is already past (it is {time.strftime('%H:%M')}): give a later time today")
+    return deadline
 
 
 def parse_part(text):

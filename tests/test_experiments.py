@@ -296,6 +296,20 @@ def test_a_damaged_results_file_is_one_line_before_any_evaluation(tmp_path, monk
     assert results.read_bytes() == damage
 
 
+def test_every_script_reads_numbers_by_one_rule():
+    """One rule for number options in every script (prepare_data.parse_number, train.py's too): an
+    int may be written 1e3 or 1_000 and is exact however long; a fraction or a word is refused."""
+    assert compare.parse_args(["--size=tiny", "--gpus=0e0"]).gpus == 0
+    assert evaluate.parse_args(["--out_dir=x", "--limit=1e2"]).limit == 100
+    assert prep._parse_args(["--dataset=demo", "--max_tokens=2_000", "--val_fraction=5e-2"]).max_tokens == 2000
+    assert prep.parse_number(int)(str(2**64 + 1)) == 2**64 + 1  # not through a float
+    for parse, text in [(lambda: compare.parse_args(["--size=tiny", "--gpus=1.5"]), "expected int, got '1.5'"),
+                        (lambda: evaluate.parse_args(["--out_dir=x", "--batch_size=many"]), "expected int, got 'many'"),
+                        (lambda: bench.bench(["lev", "--repeats=2.5"]), "expected int, got '2.5'")]:
+        with pytest.raises(UserError, match=re.escape(text)):
+            parse()
+
+
 def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "lm_eval", None)
     code = evaluate.main(["--out_dir=anywhere"])
@@ -351,7 +365,8 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
     ([], "the following arguments are required: --size"),
     (["--size=7b"], "--size=7b: choose one of tiny, 200m, 400m, 1.2b"),
     (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
-    (["--size=tiny", "--gpus=-1"], "--gpus=-1: must be 0 (CPU) or more"),
+    (["--size=tiny", "--gpus=-1"], "--gpus=-1: this machine has"),
+    (["--size=tiny", f"--gpus={torch.cuda.device_count() + 1}"], "GPU(s) (0: train on the CPU)"),
 ])
 def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
     assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
@@ -428,6 +443,7 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     (["sweep", "tune", "--deadline=noon"], "--deadline=noon: expected HH:MM"),
     (["sweep", "tune", "--deadline=25:99"], "--deadline=25:99: expected HH:MM with hours 0-23 and minutes 0-59"),
     (["sweep", "tune", "--deadline=23:60"], "--deadline=23:60: expected HH:MM with hours 0-23"),
+    (["sweep", "tune", "--deadline=00:00"], "--deadline=00:00 is already past"),
     (["sweep", "tune", "--part=2"], "--part=2: expected K/N"),
     (["sweep", "tune", "--part=0/2"], "--part=0/2: expected 1 <= K <= N"),
     (["table", "--all"], "table takes no options"),

@@ -1,11 +1,13 @@
 """sample.py: loading a run's model from its checkpoint, decoding, the command line, bad input."""
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import EOT, META, N_VALID, assert_one_error_line, random_model, run_script
+from conftest import EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, random_model, run_script
 
 from test_leviathan import generated_ids
 import sample
@@ -98,6 +100,8 @@ def bad_inputs(tmp_path_factory):
     (root / "empty").mkdir()
     (root / "corrupt").mkdir()
     (root / "corrupt" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    (root / "zero").mkdir()
+    (root / "zero" / "ckpt.pt").write_bytes(b"")
     (root / "empty.txt").write_text("\n")
     (root / "long.txt").write_text("word " * 100)
 
@@ -106,7 +110,8 @@ def bad_inputs(tmp_path_factory):
     return {
         "no folder": ([f"--out_dir={root / 'missing'}"], "not found"),
         "no checkpoint": ([f"--out_dir={root / 'empty'}"], "no checkpoint"),
-        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "could not read"),
+        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "its 16 bytes are not in torch.save's format"),
+        "zero bytes": ([f"--out_dir={root / 'zero'}"], "is not a checkpoint (it is empty)"),
         "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
         "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
         "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
@@ -118,6 +123,9 @@ def bad_inputs(tmp_path_factory):
         "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "cannot read"),
         "prompt too long": ([good, f"--prompt_file={root / 'long.txt'}"], "shorten it"),
         "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
+        "infinite temperature": ([good, "--temperature=inf"], "temperature must be >= 0 and finite"),
+        "seed too large": ([good, f"--seed={2**64}"], "--seed must be in [0, 2^63)"),
+        "fractional count": ([good, "--max_new_tokens=2.5"], "expected int, got '2.5'"),
         "top_p zero": ([good, "--top_p=0"], "top_p must be in (0, 1]"),
         "top_p above one": ([good, "--top_p=1.5"], "top_p must be in (0, 1]"),
         "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
@@ -126,13 +134,15 @@ def bad_inputs(tmp_path_factory):
         "bad flag": ([good, "--stop_at_eot=maybe"], "true or false"),
         "no out_dir": (["--prompt=hi"], "out_dir"),
         "unusable device": ([good, "--device=nodevice"], "device 'nodevice' is not usable"),
+        "device not built": ([good, "--device=mps"], "device 'mps' is not usable here (this torch was not built"),
     }
 
 
-BAD = ["no folder", "no checkpoint", "corrupt", "unknown config key", "bad config value",
+BAD = ["no folder", "no checkpoint", "corrupt", "zero bytes", "unknown config key", "bad config value",
        "wrong shape", "missing weight", "bad tokenizer", "empty prompt file", "missing prompt file",
-       "prompt too long", "negative temperature", "top_p zero", "top_p above one", "negative top_k",
-       "no samples", "unknown option", "bad flag", "no out_dir", "unusable device"]
+       "prompt too long", "negative temperature", "infinite temperature", "seed too large", "fractional count",
+       "top_p zero", "top_p above one", "negative top_k", "no samples", "unknown option", "bad flag", "no out_dir",
+       "unusable device"] + (["device not built"] if not torch.backends.mps.is_available() else [])
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -143,6 +153,19 @@ def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
     out, err = capsys.readouterr()
     assert_one_error_line(code, err, phrase)
     assert out == ""
+
+
+def test_output_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`python sample.py ... | head`: once the reader has gone, the script ends with status 0 and
+    no BrokenPipeError on stderr, as a Unix tool does."""
+    folder = save_run(tmp_path / "run", random_model("lev"))
+    command = [sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={folder}", "--num_samples=20",
+               "--max_new_tokens=200", "--stop_at_eot=false"]
+    writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=SCRIPT_ENV, text=True)
+    writer.stdout.read(10)
+    writer.stdout.close()  # the reader stops, as head does after its lines
+    assert writer.wait(timeout=300) == 0
+    assert "Error" not in writer.stderr.read()
 
 
 def test_bad_input_as_a_process(bad_inputs):
