@@ -934,4 +934,8 @@ def shut_down(code):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # before the loop's handlers are in place (set-up), or in --eval_only
+        print("\ninterrupted; the last checkpoint is kept", file=sys.stderr)
+        sys.exit(130)
