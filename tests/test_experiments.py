@@ -388,8 +388,8 @@ def make_data_folder(path, val, vocab_size=512, eot_id=511):
     prep.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
     prep.write_shard(path / "val_000000.bin", val, vocab_size)
     np.save(path / "counts.npy", np.bincount(np.arange(1000) % vocab_size, minlength=vocab_size))
-    json.dump(dict(vocab_size=vocab_size, eot_id=eot_id, splits=dict(val=dict(tokens=len(val)))),
-              open(path / "meta.json", "w"))
+    json.dump(dict(tokenizer="o200k_base", tokenizer_vocab_size=vocab_size, vocab_size=vocab_size, eot_id=eot_id,
+                   splits=dict(val=dict(tokens=len(val)))), open(path / "meta.json", "w"))
 
 
 def test_study_val_halves_are_disjoint_and_make_up_the_val_split(tmp_path):
