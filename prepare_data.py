@@ -32,11 +32,12 @@ def print_error(e):
 
 
 def run_main(command, argv=None):
-    """A script's command(argv), its exit status returned: a UserError is reported as one line
-    (status 1) and Ctrl-C as one line (130), so no traceback reaches the user. Output piped into a
-    reader that stops early (`| head`) ends the script quietly, as it would a Unix tool."""
+    """A script's command(argv), its exit status returned (the status command returns, else 0): a
+    UserError is reported as one line (status 1) and Ctrl-C as one line (130), so no traceback
+    reaches the user. Output piped into a reader that stops early (`| head`) ends the script
+    quietly, as it would a Unix tool."""
     try:
-        command(argv)
+        status = command(argv)
     except UserError as e:
         print_error(e)
         return 1
@@ -45,7 +46,8 @@ def run_main(command, argv=None):
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
-    return 0
+        return 0
+    return status if status is not None else 0
 
 
 def parse_bool(text):
@@ -192,6 +194,7 @@ def load_meta(data_dir):
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e}); run prepare_data.py again") from None
+
     def count(key):
         return isinstance(meta.get(key), int) and meta[key] >= 0
 
@@ -201,6 +204,22 @@ def load_meta(data_dir):
         raise UserError(f"{path} lacks the tokenizer, its vocab_size or eot_id (an edited or foreign file); "
                         "run prepare_data.py again")
     return meta
+
+
+def load_counts(data_dir, vocab_size):
+    """counts.npy: each id's count in the train split, checked as it is opened (before training,
+    rather than at the first evaluation)."""
+    path = os.path.join(data_dir, "counts.npy")
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing; run prepare_data.py again")
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
+        raise UserError(f"{path} is not a NumPy .npy array (damaged or foreign); run prepare_data.py again") from None
+    if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu":
+        raise UserError(f"{path} holds {counts.dtype} {list(counts.shape)}, not one integer count per id "
+                        f"({vocab_size:,}); run prepare_data.py again")
+    return counts
 
 
 # ---------------------------------------------------------------------------- the tokenizer

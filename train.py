@@ -28,8 +28,8 @@ except ImportError:
     fcntl = None
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab
-from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, parse_bool, parse_number, print_error,
-                          read_shard, shard_paths, tokenizer_from_meta, write_json)
+from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta, parse_bool, parse_number,
+                          print_error, read_shard, run_main, shard_paths, tokenizer_from_meta, write_json)
 from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the sizes
@@ -335,21 +335,6 @@ def open_data(data_dir):
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
-
-
-def load_counts(data_dir, vocab_size):
-    """counts.npy: each id's count in the train split, checked here rather than at the first evaluation."""
-    path = os.path.join(data_dir, "counts.npy")
-    if not os.path.isfile(path):
-        raise UserError(f"{path} is missing; run prepare_data.py again")
-    try:
-        counts = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
-        raise UserError(f"{path} is not a NumPy .npy array (damaged or foreign); run prepare_data.py again") from None
-    if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu":
-        raise UserError(f"{path} holds {counts.dtype} {list(counts.shape)}, not one integer count per id "
-                        f"({vocab_size:,}); run prepare_data.py again")
-    return counts
 
 
 class Windows:
@@ -934,8 +919,5 @@ def shut_down(code):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:  # before the loop's handlers are in place (set-up), or in --eval_only
-        print("\ninterrupted; the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
+    # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line
+    sys.exit(run_main(main, sys.argv[1:]))
