@@ -33,8 +33,8 @@ def print_error(e):
 
 def run_main(command, argv=None):
     """A script's command(argv), its exit status returned (the status command returns, else 0): a
-    UserError is reported as one line (status 1) and Ctrl-C as one line (130), so no traceback
-    reaches the user. Output piped into a reader that stops early (`| head`) ends the script
+    UserError or an OSError is reported as one line (status 1) and Ctrl-C as one line (130), so no
+    traceback reaches the user. Output piped into a reader that stops early (`| head`) ends the script
     quietly, as it would a Unix tool."""
     try:
         status = command(argv)
@@ -47,6 +47,9 @@ def run_main(command, argv=None):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
         return 0
+    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
+        print_error(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "") + "; fix it and run again")
+        return 1
     return status if status is not None else 0
 
 
@@ -189,11 +192,7 @@ def load_meta(data_dir):
     if not os.path.isfile(path):
         raise UserError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py "
                         "--dataset=demo` (writes data/demo) or `python prepare_data.py` (data/pile)")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}); run prepare_data.py again") from None
+    meta = read_json(path, "run prepare_data.py again")
 
     def count(key):
         return isinstance(meta.get(key), int) and meta[key] >= 0
@@ -372,6 +371,15 @@ def atomic_write(path, write, mode="wb"):
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
+
+
+def read_json(path, fix):
+    """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
@@ -629,6 +637,9 @@ def _parse_args(argv):
                                ("workers", args.workers < 1, ">= 1 (tokenizer threads)")]:
         if bad:
             raise UserError(f"--{name}={getattr(args, name)}: must be {allowed}")
+    if args.name is not None and (os.path.basename(args.name) != args.name or args.name in ("", ".", "..")):
+        raise UserError(f"--name={args.name}: a folder name under data/, without slashes; to write elsewhere "
+                        "pass --out_dir")
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
     return args
@@ -665,8 +676,15 @@ def _sources(args):
 def _load_progress(out_dir, config):
     path = os.path.join(out_dir, "progress.json")
     if os.path.exists(path):
-        with open(path) as f:
-            progress = json.load(f)
+        progress = read_json(path, f"delete {out_dir} and prepare it afresh")
+        fields = {"shards": int, "next_doc": int, "skip": int, "tokens": int, "documents": int, "done": bool}
+        if not (isinstance(progress, dict) and isinstance(progress.get("config"), dict)
+                and isinstance(progress.get("splits"), dict)
+                and all(isinstance(progress["splits"].get(split), dict)
+                        and all(type(progress["splits"][split].get(k)) is kind for k, kind in fields.items())
+                        for split in SPLITS)):
+            raise UserError(f"{path} lacks where each split stopped (an edited or foreign file), so its shards "
+                            f"cannot be resumed: delete {out_dir} and prepare it afresh")
         if progress["config"] != config:
             changed = sorted(k for k in config if config[k] != progress["config"].get(k))
             raise UserError(f"{out_dir} holds data prepared with other settings "

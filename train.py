@@ -326,7 +326,7 @@ def open_data(data_dir):
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = prepare_command(data_dir)
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): "
-                        + (f"run `{command}` first" if command else "pass the --out_dir prepare_data.py wrote"))
+                        + (f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
     meta = load_meta(data_dir)
     splits = {}
     for split in ("train", "val"):
@@ -344,8 +344,8 @@ class Windows:
     billions of tokens, and window p is the same whatever the world size, so the data position
     is just the number of windows consumed."""
 
-    def __init__(self, shards, seq_len, seed):
-        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+    def __init__(self, shards, seq_len, seed, vocab_size):
+        self.shards, self.seq_len, self.seed, self.vocab_size = shards, seq_len, seed, vocab_size
         self.sizes = np.array([(len(s) - 1) // seq_len for s in shards])
         self.total = int(self.sizes.sum())
         self.epoch, self.shard = None, None  # the shuffles in use; consecutive windows share them
@@ -362,15 +362,26 @@ class Windows:
             shard = self.shard_order[k]
             self.window_order = np.random.default_rng([self.seed, epoch, shard]).permutation(self.sizes[shard])
         start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
-        return self.shards[self.shard_order[k]][start:start + self.seq_len + 1]
+        return checked_window(self.shards[self.shard_order[k]], start, self.seq_len, self.vocab_size)
 
 
-def val_windows(shards, seq_len, n):
+def val_windows(shards, seq_len, n, vocab_size):
     """The first n windows of the validation split, in order: the same tokens at every evaluation."""
-    windows = []
-    for s in shards:
-        windows += [s[i * seq_len:(i + 1) * seq_len + 1] for i in range((len(s) - 1) // seq_len)]
-    return windows[:n]
+    starts = [(s, i * seq_len) for s in shards for i in range((len(s) - 1) // seq_len)][:n]
+    return [checked_window(s, start, seq_len, vocab_size) for s, start in starts]
+
+
+def checked_window(shard, start, seq_len, vocab_size):
+    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary. A shard's
+    header can be intact over damaged tokens, and such an id would crash a step (or, for LEV, whose
+    digits take any integer, quietly train on a padding row). Checking as windows are read costs a
+    pass over a few MB per step, where checking whole shards at start would read the corpus."""
+    window = shard[start:start + seq_len + 1]
+    if window.max() >= vocab_size:
+        at = start + int(np.argmax(window >= vocab_size))
+        raise UserError(f"{shard.filename}: token {at:,} is id {int(shard[at])}, beyond the vocabulary of "
+                        f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
+    return window
 
 
 def open_run(argv):
@@ -380,8 +391,8 @@ def open_run(argv):
     path = os.path.join(given.get("out_dir") or config.out_dir, "ckpt.pt")
     loading = config.resume or config.eval_only
     if loading and not os.path.exists(path):
-        raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; "
-                        "train first (without --resume), or pass the run's --out_dir")
+        raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; train first (without "
+                        f"--{'resume' if config.resume else 'eval_only'}), or pass the run's --out_dir")
     if not loading and os.path.exists(path):
         raise UserError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
     device, rank, world = setup_device(config)
@@ -393,6 +404,7 @@ def open_run(argv):
     model_cfg = model_config(config, meta)
     if ckpt is not None:
         check_checkpoint(ckpt, model_cfg, meta, path)
+        read_log(os.path.join(os.path.dirname(path), "log.jsonl"))  # damaged, refused before anything is written
     per_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_step:
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
@@ -400,8 +412,8 @@ def open_run(argv):
     if config.total_tokens < config.batch_tokens:
         raise UserError(f"total_tokens={config.total_tokens:,} is less than one step of "
                         f"batch_tokens={config.batch_tokens:,}")
-    train = Windows(splits["train"], config.seq_len, config.seed)
-    val = val_windows(splits["val"], config.seq_len, max(1, config.eval_tokens // config.seq_len))
+    train = Windows(splits["train"], config.seq_len, config.seed, meta["vocab_size"])
+    val = val_windows(splits["val"], config.seq_len, max(1, config.eval_tokens // config.seq_len), meta["vocab_size"])
     if train.total == 0 or not val:
         raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
     if config.wandb_project and rank == 0:
@@ -628,10 +640,13 @@ def train_step(run):
     micro_batch = run.config.micro_batch
     for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
         group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
+    # Every rank reads the whole step's windows (each is checked as it is read), so that a damaged
+    # one stops all ranks alike, with one error line, instead of one rank amid a collective.
+    windows = [run.train[p] for p in range(run.position, run.position + run.step_windows)]
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
-        first = run.position + (run.rank * run.accum + micro) * micro_batch
-        x, y, distinct = to_batch([run.train[p] for p in range(first, first + micro_batch)], run.device, run.lev)
+        first = (run.rank * run.accum + micro) * micro_batch
+        x, y, distinct = to_batch(windows[first:first + micro_batch], run.device, run.lev)
         last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
         with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
             loss = run.model(x, y, distinct=distinct)
@@ -874,11 +889,33 @@ def check_checkpoint(ckpt, model_cfg, meta, path):
                         f"{meta.get('vocab_size')} ids)")
 
 
+def read_log(path):
+    """The records of a run's log.jsonl, in order ([] if it has none). A last line without its
+    newline (a run killed while writing it) is left out; any other damaged line is one error."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                break
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
+                    and isinstance(record.get("step"), int)):
+                raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line "
+                                "and run again")
+            records.append(record)
+    return records
+
+
 def keep_log_until(path, step):
-    """On resume, drop log lines past the checkpoint (an interrupted run may have logged beyond it)."""
-    if os.path.exists(path):  # a run killed mid-write leaves a partial last line: dropped too
-        lines = [line for line in open(path) if line.endswith("\n") and json.loads(line)["step"] <= step]
-        atomic_write(path, lambda f: f.writelines(lines), mode="w")
+    """A resumed run keeps its log up to the checkpoint (an interrupted one may have logged past it);
+    a new run (step 0) starts a new log."""
+    records = [r for r in read_log(path) if r["step"] <= step] if step else []
+    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
 
 
 # ---------------------------------------------------------------------------- preemption signals and shut-down

@@ -11,13 +11,13 @@ is not trained again, one stopped is resumed (runs.py), and a task already evalu
 evaluated again, so the command can be repeated until the table is complete. The table goes to
 <out_dir>/table.md.
 """
-import json, os, sys
+import os, sys
 
 import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import ArgumentParser, UserError, parse_number, run_main
+from prepare_data import ArgumentParser, UserError, parse_number, read_json, run_main
 from train import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
@@ -56,11 +56,6 @@ def parse_args(argv):
 # ---------------------------------------------------------------------------- training
 
 
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
 def train(args, arm):
     run_dir = os.path.join(args.out_dir, arm)
     if runs.finished(run_dir):
@@ -77,7 +72,7 @@ def evaluate_downstream(args, arm, tasks):
     """evaluate.py, in this process, on the tasks this arm has no result for yet."""
     run_dir = os.path.join(args.out_dir, arm)
     done = os.path.join(run_dir, evaluate.RESULTS_FILE)
-    missing = [t for t in tasks if t not in (read_json(done) if os.path.exists(done) else {})]
+    missing = [t for t in tasks if t not in (evaluate.read_results(run_dir) if os.path.exists(done) else {})]
     if missing:
         options = [f"--out_dir={run_dir}", f"--tasks={','.join(missing)}", f"--device={'cuda' if args.gpus else 'cpu'}"]
         options += [f"--include_path={args.include_path}"] if args.include_path else []
@@ -116,7 +111,7 @@ def downstream_rows(args, tasks):
     """(label, {arm: value}) per task metric present for every arm."""
     if not tasks:
         return []
-    results = {arm: read_json(os.path.join(args.out_dir, arm, evaluate.RESULTS_FILE)) for arm in ARMS}
+    results = {arm: evaluate.read_results(os.path.join(args.out_dir, arm)) for arm in ARMS}
     rows = []
     for task in tasks:
         for metric in results["tied"].get(task, {}).get("metrics", {}):
@@ -130,7 +125,8 @@ def downstream_rows(args, tasks):
 def table(args, tasks):
     """The paper's table as markdown: each arm's figure, lev against tied and untied, the paper's."""
     records = {arm: runs.log_records(os.path.join(args.out_dir, arm), "eval") for arm in ARMS}
-    last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json"))
+    last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json"),
+                           f"delete it and evaluate again: python train.py --eval_only --out_dir={args.out_dir}/{arm}")
             for arm in ARMS}
     rows = []
 

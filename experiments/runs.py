@@ -6,7 +6,6 @@ a session of its own, so that a signal sent to it reaches torchrun's workers too
 at a deadline or on Ctrl-C gets SIGTERM unless the caller says otherwise: train.py then saves a
 checkpoint and exits, and `--resume` continues it.
 """
-import json
 import os
 import shlex
 import signal
@@ -14,18 +13,16 @@ import subprocess
 import sys
 import time
 
+from prepare_data import UserError, read_json
+from train import read_log
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
 
 
 def log_records(run_dir, kind):
-    """The records of one type ("train" or "eval") in a run's log.jsonl, in order; [] if it wrote none.
-    A last line without its newline (a run killed while writing it) is left out."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in (json.loads(line) for line in f if line.endswith("\n")) if r["type"] == kind]
+    """The records of one type ("train" or "eval") in a run's log.jsonl (train.read_log), in order."""
+    return [r for r in read_log(os.path.join(run_dir, "log.jsonl")) if r["type"] == kind]
 
 
 def finished(run_dir):
@@ -33,8 +30,11 @@ def finished(run_dir):
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
         return False
-    with open(config_path) as f:
-        total_tokens = json.load(f)["train"]["total_tokens"]
+    config = read_json(config_path, "delete the run folder to train it afresh")
+    total_tokens = config.get("train", {}).get("total_tokens") if isinstance(config, dict) else None
+    if not isinstance(total_tokens, int):
+        raise UserError(f"{config_path} lacks the run's total_tokens (an edited or foreign file); "
+                        "delete the run folder to train it afresh")
     records = log_records(run_dir, "eval")
     return bool(records) and records[-1]["tokens_seen"] >= total_tokens
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from experiments import lev_variants
 from experiments.runs import finished, log_records, shown, train as train_run, wait
-from prepare_data import UserError, load_meta, read_shard, run_main, shard_paths, write_shard
+from prepare_data import UserError, load_meta, read_json, read_shard, run_main, shard_paths, write_shard
 from train import SIZES
 
 STUDY_DIR = os.path.join("out", "study")  # relative to the repository root, where the commands run
@@ -230,8 +230,8 @@ def final_eval(out_dir):
     paths = glob.glob(os.path.join(out_dir, "eval_step*.json"))
     if not paths:
         return None
-    with open(max(paths, key=lambda p: int(p.rsplit("step", 1)[1][:-5]))) as f:
-        return json.load(f)
+    path = max(paths, key=lambda p: int(p.rsplit("step", 1)[1][:-5]))
+    return read_json(path, f"delete it and evaluate again: python train.py --eval_only --out_dir={out_dir}")
 
 
 def best_settings(arm, plan_names=("tune",)):
@@ -368,8 +368,7 @@ def load_runs(root=STUDY_DIR):
     runs = []
     for config_path in sorted(glob.glob(os.path.join(root, "*", "*", "config.json"))):
         out_dir = os.path.dirname(config_path)
-        with open(config_path) as f:
-            config = json.load(f)
+        config = read_json(config_path, "delete the run folder to train it afresh")
         speeds = [r["tokens_per_s"] for r in log_records(out_dir, "train")]
         runs.append((os.path.basename(os.path.dirname(out_dir)), config, final_eval(out_dir),
                      statistics.median(speeds) if speeds else None))

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 
 import leviathan
 import prepare_data as prep
+import train
 from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, random_model,
                       train_cli)
 from experiments import bench, compare, evaluate, runs, study
@@ -54,6 +56,36 @@ def test_log_records_are_one_type_and_leave_out_a_line_cut_short(tmp_path):
     assert runs.log_records(tmp_path / "missing", "eval") == []
 
 
+@pytest.mark.parametrize("damage", ["a line not JSON", "a record without its step"])
+def test_a_damaged_log_line_is_one_error_naming_it(tmp_path, damage):
+    """Only a cut last line is a kill's trace; a damaged line before it is refused, by the
+    readers of compare and study (log_records) and by train.py's resume (keep_log_until)."""
+    bad = '{"type": "train", "st\n' if damage == "a line not JSON" else '{"type": "train"}\n'
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"type": "train", "step": 1}\n' + bad + '{"type": "train", "step": 3}\n')
+    for read in (lambda: runs.log_records(tmp_path, "train"), lambda: train.keep_log_until(str(log), 3)):
+        with pytest.raises(UserError, match=r"log\.jsonl, line 2: not a log record"):
+            read()
+    assert log.read_text().count("\n") == 3  # left as it was
+
+
+def test_a_damaged_config_or_evaluation_of_a_run_is_one_error_naming_it(train_data, tmp_path, capsys):
+    """compare.py re-run over its arms: a run's config.json or last eval_step file damaged."""
+    options = [f"--data_dir={train_data}", *TRAIN_ARGS, "--total_tokens=1024", "--eval_interval=2"]
+    assert runs.train(str(tmp_path / "run"), options, output=str(tmp_path / "output.txt")) == (0, False)
+    config = tmp_path / "run" / "config.json"
+    text = config.read_text()
+    config.write_text(text[:len(text) // 2])
+    with pytest.raises(UserError, match="config.json: not valid JSON"):
+        runs.finished(tmp_path / "run")
+    config.write_text(json.dumps({"train": {}}))
+    with pytest.raises(UserError, match="config.json lacks the run's total_tokens"):
+        runs.finished(tmp_path / "run")
+    (tmp_path / "run" / "eval_step2.json").write_text("{")
+    with pytest.raises(UserError, match="eval_step2.json: not valid JSON.*--eval_only"):
+        study.final_eval(tmp_path / "run")
+
+
 def test_a_run_stopped_part_way_is_resumed_and_then_finished(train_data, tmp_path, capsys):
     """runs.train: a run stopped at step 2 of 4 (evaluated there, not at its end) is not finished;
     run again, it continues from its checkpoint (--resume added, steps 3 and 4 only) and is."""
@@ -83,6 +115,25 @@ def test_wait_stops_a_run_at_its_deadline_and_train_py_saves_a_checkpoint(train_
     assert runs.wait(process, deadline=time.time()) == (128 + signal.SIGTERM, True)
     assert "SIGTERM: saving a checkpoint" in output.read_text() and (out / "ckpt.pt").exists()
     assert not runs.finished(out)
+
+
+def test_ctrl_c_while_waiting_lets_the_run_save_its_checkpoint_first(train_data, tmp_path):
+    """Ctrl-C on compare.py or study.py: the terminal's SIGINT does not reach the run (a session of
+    its own); wait() sends it SIGTERM, waits while train.py saves, and only then lets Ctrl-C go on."""
+    out, output = tmp_path / "run", tmp_path / "output.txt"
+    process = runs.start([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=100000000"],
+                         output=str(output))
+    started = time.time()
+    while not runs.log_records(out, "train"):
+        assert process.poll() is None and time.time() < started + 240, output.read_text()
+        time.sleep(0.1)
+    assert os.getsid(process.pid) != os.getsid(0)  # not in this terminal's session
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C here, as the terminal sends it
+    with pytest.raises(KeyboardInterrupt):
+        runs.wait(process)
+    assert process.returncode == 128 + signal.SIGTERM and "SIGTERM: saving a checkpoint" in output.read_text()
+    saved = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert saved == runs.log_records(out, "train")[-1]["step"] > 0
 
 
 # ---------------------------------------------------------------------------- evaluate.py
@@ -367,6 +418,7 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
     (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
     (["--size=tiny", "--gpus=-1"], "--gpus=-1: this machine has"),
     (["--size=tiny", f"--gpus={torch.cuda.device_count() + 1}"], "GPU(s) (0: train on the CPU)"),
+    (["--size=tiny", "--tasks=", f"--out_dir={Path(__file__)}/cmp"], "Not a directory: "),  # under a file
 ])
 def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
     assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)

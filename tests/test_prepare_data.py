@@ -247,6 +247,7 @@ def _bad_inputs(tmp):
         ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
         ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
         (["--dataset=pile"], "Hugging Face Hub"),
+        (["--dataset=demo", "--name=../../escaped"], "without slashes"),
     ]
 
 
@@ -276,6 +277,26 @@ def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
     tok = tokenizer_from_meta(prep.load_meta(tmp_path / "out"))
     texts = [json.loads(line)["text"] for line in fixed]
     assert tok.decode(_split_tokens(tmp_path / "out", "train")) == "".join(t + "<|endoftext|>" for t in texts)
+
+
+@pytest.mark.parametrize("damage", ["not JSON", "without a split's position"])
+def test_a_damaged_progress_file_is_one_line_and_its_shards_stay(tmp_path, capsys, damage):
+    """progress.json says where each split's next shard starts; damaged, the folder cannot be
+    resumed: one line naming it, before any shard is touched."""
+    args = [f"--dataset={tmp_path / 'c.jsonl'}", f"--out_dir={tmp_path / 'out'}", "--vocab_size=300", "--workers=1",
+            "--shard_tokens=500", "--max_tokens=2000"]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 9}) + "\n" for i in range(400)))
+    assert prep.main(args) == 0
+    progress = tmp_path / "out" / "progress.json"
+    if damage == "not JSON":
+        progress.write_text(progress.read_text()[:40])
+    else:
+        saved = json.loads(progress.read_text())
+        del saved["splits"]["train"]["next_doc"]
+        progress.write_text(json.dumps(saved))
+    shards = {p: open(p, "rb").read() for p in prep.shard_paths(tmp_path / "out", "train")}
+    assert_one_error_line(prep.main(args), capsys.readouterr().err, "progress.json", "prepare it afresh")
+    assert {p: open(p, "rb").read() for p in prep.shard_paths(tmp_path / "out", "train")} == shards
 
 
 def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):

@@ -24,6 +24,7 @@ import train
 from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, logged_losses, prepare_corpus,
                       run_script, train_cli)
 from leviathan import EMBEDDINGS, Config, Model
+import prepare_data as prep
 from prepare_data import UserError
 from test_leviathan import lev_param_formula
 
@@ -355,7 +356,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_pat
 
 def test_every_training_window_once_per_epoch():
     shards = [np.arange(start, start + n) for start, n in [(0, 41), (1000, 10), (2000, 33), (3000, 5)]]
-    windows = train.Windows(shards, seq_len=4, seed=7)
+    windows = train.Windows(shards, seq_len=4, seed=7, vocab_size=4000)
     assert windows.total == 10 + 2 + 8 + 1  # (n - 1) // seq_len windows per shard
     expected = sorted((s[0] // 1000, i) for s in shards for i in range(0, (len(s) - 1) // 4 * 4, 4))
     epochs = []
@@ -365,7 +366,7 @@ def test_every_training_window_once_per_epoch():
         assert sorted((w[0] // 1000, w[0] % 1000) for w in got) == expected
         epochs.append([int(w[0]) for w in got])
     assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # shuffled, anew each epoch
-    again = train.Windows(shards, seq_len=4, seed=7)
+    again = train.Windows(shards, seq_len=4, seed=7, vocab_size=4000)
     assert [int(again[p][0]) for p in range(windows.total)] == epochs[0]  # deterministic
 
 
@@ -453,7 +454,7 @@ def test_missing_data_names_the_prepare_command(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # where data/demo and data/pile do not exist
     for args, phrase in [(["--size=tiny"], "run `python prepare_data.py --dataset=demo` first"),
                          (["--size=200m"], "run `python prepare_data.py` first"),
-                         ([f"--data_dir={tmp_path / 'nowhere'}"], "pass the --out_dir prepare_data.py wrote")]:
+                         ([f"--data_dir={tmp_path / 'nowhere'}"], "pass --data_dir=DIR, the --out_dir prepare_data.py wrote")]:
         code = train.main([*args, f"--out_dir={tmp_path / 'o'}", "--device=cpu"])
         assert_one_error_line(code, capsys.readouterr().err, phrase)
         assert not (tmp_path / "o").exists()
@@ -499,7 +500,9 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
                           (["--embedding=sparse"], ["lev, tied, untied"]),
                           (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
                           (["--embedding=tied", "--lr_head=10"], ["--lr_head", "--lr_input"]),
-                          (["--lr_input=0"], ["--lr_input", "> 0"])]:
+                          (["--lr_input=0"], ["--lr_input", "> 0"]),
+                          (["--eval_only"], ["no checkpoint", "without --eval_only"]),
+                          (["--resume"], ["no checkpoint", "without --resume"])]:
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
         assert_one_error_line(code, capsys.readouterr().err, *phrases)
     r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env={"SLURM_NTASKS": "4"})
@@ -523,6 +526,28 @@ def test_shard_from_another_tokenizer(train_data, tmp_path):
     r = train_cli(bad, tmp_path / "o", check=False)
     assert_one_error_line(r.returncode, r.stderr, "another tokenizer")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_ids_past_the_vocabulary_under_an_intact_header_are_one_line(train_data, tmp_path, split):
+    """Damaged tokens in a shard whose header is whole: in the val split one line at set-up; in the
+    train split one line at the step that reads them, from a two-rank run that ends instead of
+    hanging, its last checkpoint kept."""
+    bad, out = tmp_path / "data", tmp_path / "o"
+    shutil.copytree(train_data, bad)
+    if split == "train":
+        train_cli(bad, out, "--total_tokens=4096", "--stop_step=2")
+    path = prep.shard_paths(bad, split)[0]
+    tokens = np.memmap(path, dtype=prep.token_dtype(512), mode="r+", offset=prep.HEADER_BYTES)
+    tokens[::50] = 600  # past the 512-id vocabulary, which the header still names
+    tokens.flush()
+    r = train_cli(bad, out, "--total_tokens=4096", *(["--resume"] if split == "train" else []), nproc=2, check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]  # torchrun adds its report
+    assert r.returncode != 0 and len(errors) == 1 and path in errors[0] and "id 600, beyond the vocabulary of 512" in errors[0], r.stderr
+    if split == "train":
+        assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
+    else:
+        assert not out.exists()
 
 
 @pytest.mark.parametrize("damage", ["meta without its keys", "meta not JSON", "counts of another length",
