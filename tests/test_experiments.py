@@ -128,9 +128,14 @@ def test_ctrl_c_while_waiting_lets_the_run_save_its_checkpoint_first(train_data,
         assert process.poll() is None and time.time() < started + 240, output.read_text()
         time.sleep(0.1)
     assert os.getsid(process.pid) != os.getsid(0)  # not in this terminal's session
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C here, as the terminal sends it
-    with pytest.raises(KeyboardInterrupt):
-        runs.wait(process)
+    # Ctrl-C here, as the terminal sends it; Python's own handler, as a background job inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            runs.wait(process, deadline=time.time() + 120)  # a deadline: no Ctrl-C, no hang
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert process.returncode == 128 + signal.SIGTERM and "SIGTERM: saving a checkpoint" in output.read_text()
     saved = torch.load(out / "ckpt.pt", weights_only=True)["step"]
     assert saved == runs.log_records(out, "train")[-1]["step"] > 0
