@@ -325,8 +325,8 @@ def open_data(data_dir):
     """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = prepare_command(data_dir)
-        raise UserError(f"no prepared data in {data_dir} (meta.json missing): "
-                        + (f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
+        raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
+            f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
     meta = load_meta(data_dir)
     splits = {}
     for split in ("train", "val"):
@@ -404,7 +404,8 @@ def open_run(argv):
     model_cfg = model_config(config, meta)
     if ckpt is not None:
         check_checkpoint(ckpt, model_cfg, meta, path)
-        read_log(os.path.join(os.path.dirname(path), "log.jsonl"))  # damaged, refused before anything is written
+    if config.resume:  # the log it continues: damaged, refused before anything is written
+        read_log(os.path.join(os.path.dirname(path), "log.jsonl"))
     per_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_step:
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
