@@ -3,7 +3,7 @@
 compare.py and study.py train run folders to their end (`finished`, `train`); bench.py starts
 several runs together and waits for each (`start`, `wait`, `stop`). Every run is a subprocess in
 a session of its own, so that a signal sent to it reaches torchrun's workers too. A run stopped
-at a deadline or on Ctrl-C gets SIGTERM unless the caller says otherwise: train.py then saves a
+at a deadline, on Ctrl-C or on a SIGTERM to its caller gets SIGTERM unless the caller says otherwise: train.py then saves a
 checkpoint and exits, and `--resume` continues it.
 """
 import os
@@ -68,18 +68,25 @@ def stop(process, stop_signal=signal.SIGTERM):
     process.wait()
 
 
+def exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def wait(process, deadline=None, stop_signal=signal.SIGTERM):
     """(exit status, whether it was stopped) of a started run: stopped with stop_signal at the
-    deadline (time.time() seconds; None: none), and on Ctrl-C here, which in its own session it
-    does not receive from the terminal."""
+    deadline (time.time() seconds; None: none), and on Ctrl-C or SIGTERM here (`kill`, a job's
+    end), which in its own session it does not receive."""
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)  # SIGTERM here becomes SystemExit(143)
     try:
         return process.wait(timeout=None if deadline is None else max(0.0, deadline - time.time())), False
     except subprocess.TimeoutExpired:
         stop(process, stop_signal)
         return process.returncode, True
-    except BaseException:  # Ctrl-C, or an error here: the run must not go on alone
+    except BaseException:  # Ctrl-C, SIGTERM, or an error here: the run must not go on alone
         stop(process, stop_signal)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def shown(argv):

@@ -117,9 +117,11 @@ def test_wait_stops_a_run_at_its_deadline_and_train_py_saves_a_checkpoint(train_
     assert not runs.finished(out)
 
 
-def test_ctrl_c_while_waiting_lets_the_run_save_its_checkpoint_first(train_data, tmp_path):
-    """Ctrl-C on compare.py or study.py: the terminal's SIGINT does not reach the run (a session of
-    its own); wait() sends it SIGTERM, waits while train.py saves, and only then lets Ctrl-C go on."""
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_ctrl_c_or_sigterm_while_waiting_lets_the_run_save_its_checkpoint_first(train_data, tmp_path, signum, raised):
+    """Ctrl-C or `kill` on compare.py or study.py: the signal does not reach the run (a session of
+    its own); wait() sends it SIGTERM, waits while train.py saves, and only then lets the signal end
+    the caller."""
     out, output = tmp_path / "run", tmp_path / "output.txt"
     process = runs.start([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=100000000"],
                          output=str(output))
@@ -128,14 +130,16 @@ def test_ctrl_c_while_waiting_lets_the_run_save_its_checkpoint_first(train_data,
         assert process.poll() is None and time.time() < started + 240, output.read_text()
         time.sleep(0.1)
     assert os.getsid(process.pid) != os.getsid(0)  # not in this terminal's session
-    # Ctrl-C here, as the terminal sends it; Python's own handler, as a background job inherits SIGINT ignored
+    # The signal to this process, as Ctrl-C or `kill` sends it; for SIGINT Python's own handler, which a
+    # background job (CI's, maybe) lacks: it inherits SIGINT ignored
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        with pytest.raises(KeyboardInterrupt):
-            runs.wait(process, deadline=time.time() + 120)  # a deadline: no Ctrl-C, no hang
+        threading.Timer(0.5, os.kill, (os.getpid(), signum)).start()
+        with pytest.raises(raised):
+            runs.wait(process, deadline=time.time() + 120)  # a deadline: no signal, no hang
     finally:
         signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGTERM) is not runs.exit_on_signal  # restored after waiting
     assert process.returncode == 128 + signal.SIGTERM and "SIGTERM: saving a checkpoint" in output.read_text()
     saved = torch.load(out / "ckpt.pt", weights_only=True)["step"]
     assert saved == runs.log_records(out, "train")[-1]["step"] > 0
