@@ -23,11 +23,11 @@ How our model answers lm-eval (the LeviathanLM adapter below):
 - Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
   softmax: the tokenizer cannot produce them, so they must not take probability mass.
 """
-import json, os, sys
+import os, sys
 
 import torch
 
-from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, run_main, write_json
+from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, read_json, run_main, write_json
 from sample import check_device, load_model, precision
 
 try:
@@ -176,12 +176,9 @@ def read_results(out_dir):
     """downstream.json: {task: {"metrics": {metric: [value, stderr]}, ...}}, checked as it is read."""
     path = os.path.join(out_dir, RESULTS_FILE)
     try:
-        with open(path) as f:
-            results = json.load(f)
+        results = read_json(path, "move it aside to start its results afresh")
     except FileNotFoundError:
-        raise UserError(f"no {path}; run python -m experiments.evaluate --out_dir={out_dir} first")
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {path} ({str(e).splitlines()[0]}): move it aside to start its results afresh")
+        raise UserError(f"no {path}; run python -m experiments.evaluate --out_dir={out_dir} first") from None
     if not (isinstance(results, dict) and all(isinstance(entry, dict) and isinstance(entry.get("metrics"), dict)
                                               for entry in results.values())):
         raise UserError(f"{path} is not a results file of experiments.evaluate: move it aside to start afresh")
