@@ -6,21 +6,23 @@
     python train.py --size=200m --resume                       # continue out/200m-lev exactly
     python train.py --size=200m --eval_only                    # evaluate its checkpoint
 
-Every field of TrainConfig is an option, --name=value (a bare --flag means true); one left at None
-takes the value of the chosen --size (SIZES). `python train.py --help` lists them all.
+Every field of TrainConfig is an option, --name=value (a bare --flag means true). Its defaults
+are the tiny size's; --size=NAME changes the fields that SIZES[NAME] names, and an option given
+changes any. `python train.py --help` lists them all.
 
-Read top to bottom, in the order a run meets them: the sizes, the options, the set-up (device,
-DDP, data), where every check that can refuse a run comes before any work; the model and
-optimizer; main, with the loop; one step; the evaluation; checkpoints and preemption signals.
+Read top to bottom: the sizes and the options; the set-up (device, DDP, data), where every check
+that can refuse a run comes before any work; what one step, an evaluation and a checkpoint do;
+last, main with the training loop.
 """
-import argparse, dataclasses, datetime, inspect, json, math, os, re, signal, sys, threading, time
+import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 try:
     import fcntl  # POSIX: the run folder's lock (lock_run_folder); on Windows folders go unlocked
@@ -32,23 +34,7 @@ from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, 
                           print_error, read_shard, run_main, shard_paths, tokenizer_from_meta, write_json)
 from sample import load_checkpoint, precision
 
-# ---------------------------------------------------------------------------- the sizes
-
-
-@dataclass(frozen=True)
-class Preset:
-    model: Config  # the shape; vocab_size is the tokenizer's (data/<name>/meta.json)
-    data_dir: str  # what prepare_data.py wrote
-    total_tokens: int  # the training budget
-    batch_tokens: int  # tokens per optimizer step
-    micro_batch: int  # sequences per GPU per forward pass
-    lr: float  # the backbone's peak AdamW rate
-    warmup_steps: int
-    eval_interval: int  # steps
-    eval_tokens: int
-    ckpt_interval: int  # steps
-    lr_scales: dict  # arm -> (lr_input, lr_head), multipliers of lr (Model.configure_optimizers)
-
+# ---------------------------------------------------------------------------- the sizes and the options
 
 # The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter).
 # Learning rate, warmup and decay, which it does not publish, are conservative GPT-3/Pythia
@@ -58,125 +44,89 @@ class Preset:
 # other width and no depth, so 768 and 1024 are the usual GPT-2/LLaMA widths. The o200k table
 # is 154M of the 200M model, which leaves it 7 layers.
 #   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (tests/test_train.py checks)
-# The multipliers (lr_input, lr_head) come from the CPU-scale study's width sweep
-# (experiments/study.md): at D = 128 its best; at the paper's widths the power laws fitted there,
-# extrapolated. Zero-initialised heads and the tied table want far more than the backbone's rate,
-# LEV a tenth of it.
-PAPER = dict(data_dir="data/pile", batch_tokens=512 * 512, micro_batch=16, warmup_steps=1000,
-             eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
-SIZES = {
-    # tiny: minutes on a 2-core CPU on the demo corpus (8,192-id vocabulary), 660 steps; lr 3e-3
-    # trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
-    # would leave a 128-wide model one head. LEV keeps d_seed = 128 and kappa = 16 but has
-    # h * r = D modes (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would
-    # cost more per distinct id than the whole backbone costs per token.
-    "tiny": Preset(Config(vocab_size=8192, d_model=128, n_layer=4, n_head=4, seq_len=256, lev_heads=4, lev_rank=32),
-                   data_dir="data/demo", total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16, lr=3e-3,
-                   warmup_steps=30, eval_interval=200, eval_tokens=1 << 16, ckpt_interval=200,
-                   lr_scales={"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)}),
-    "200m": Preset(Config(d_model=768, n_layer=7, n_head=6), total_tokens=4_200_000_000, lr=6e-4,
-                   lr_scales={"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)}, **PAPER),
-    "400m": Preset(Config(d_model=1024, n_layer=15, n_head=8), total_tokens=8_400_000_000, lr=3e-4,
-                   lr_scales={"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)}, **PAPER),
-    "1.2b": Preset(Config(d_model=2048, n_layer=16, n_head=16), total_tokens=24_100_000_000, lr=2e-4,
-                   lr_scales={"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}, **PAPER),
+# tiny (TrainConfig's own defaults): minutes on a 2-core CPU on the demo corpus, 660 steps; lr
+# 3e-3 trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
+# would leave a 128-wide model one head. LEV keeps d_seed = 128 and kappa = 16 but has h * r = D
+# modes (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would cost more per
+# distinct id than the whole backbone costs per token.
+PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512, micro_batch=16,
+             warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
+SIZES = {  # each size: the TrainConfig fields it sets
+    "tiny": {},
+    "200m": dict(PAPER, d_model=768, n_layer=7, n_head=6, total_tokens=4_200_000_000, lr=6e-4),
+    "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
+    "1.2b": dict(PAPER, d_model=2048, n_layer=16, n_head=16, total_tokens=24_100_000_000, lr=2e-4),
 }
-
-# ---------------------------------------------------------------------------- the options
-
-
-def one_of(names, what):
-    return (lambda v: v in names), f"one of {', '.join(names)} ({what})"
-
-
-def at_least(least, why=""):
-    return (lambda v: math.isfinite(v) and v >= least), f">= {least}{why}"
-
-
-def positive():
-    return (lambda v: math.isfinite(v) and v > 0), "> 0"
+# Each size's (lr_input, lr_head) per arm, multipliers of lr (Model.configure_optimizers), from
+# the CPU-scale study's width sweep (experiments/study.md): at D = 128 its best; at the paper's
+# widths the power laws fitted there, extrapolated. Zero-initialised heads and the tied table
+# want far more than the backbone's rate, LEV a tenth of it.
+LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)},
+             "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
+             "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
+             "1.2b": {"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}}
+# The sizes' data folders: the command that makes each, and its tokenizer's ids (the model's
+# shape is checked against them before any data is read).
+DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192), "data/pile": ("python prepare_data.py", 200_019)}
 
 
-def within(low, high, why, closed=True):
-    return ((lambda v: math.isfinite(v) and low <= v <= high) if closed else
-            (lambda v: math.isfinite(v) and low <= v < high)), f"in [{low}, {high}{']' if closed else ')'} ({why})"
-
-
-def option(default, help, rule=None):
-    """A TrainConfig field: its default, its --help, and the rule a given value must follow."""
-    return field(default=default, metadata=dict(help=help, rule=rule))
+def option(default, help):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainConfig:
     # what to train, on what
-    size: str = option("tiny", "the model and its defaults", one_of(SIZES, "SIZES"))
-    embedding: str = option("lev", "lev (Leviathan) | tied (the paper's baseline) | untied (ablation)",
-                            one_of(EMBEDDINGS, "the three arms"))
-    data_dir: str | None = option(None, "a folder prepare_data.py wrote; None: the size's (data/demo, data/pile)")
-    out_dir: str = option("", "the run folder (default out/<size>-<embedding>)")
-    # model shape: None keeps the size's (vocab_size always comes from the data); leviathan.Config checks them
-    d_model: int | None = option(None, "model width D")
-    n_layer: int | None = option(None, "Transformer blocks")
-    n_head: int | None = option(None, "attention heads")
-    seq_len: int | None = option(None, "tokens per training sequence (the context)")
-    rope_theta: float | None = option(None, "rotary base")
-    lev_digits: int | None = option(None, "LEV: k, digits per id")
-    lev_seed_dim: int | None = option(None, "LEV: d_seed, the seed's width")
-    lev_heads: int | None = option(None, "LEV: h heads")
-    lev_knots: int | None = option(None, "LEV: kappa, B-spline knots")
-    lev_rank: int | None = option(None, "LEV: r, modes per head")
-    lev_sigmoid_scale: float | None = option(None, "LEV: t = sigmoid(scale * u), (R) 1/2; 1 as in the study's first part")
+    size: str = option("tiny", f"one of {', '.join(SIZES)}: the model and its defaults (SIZES)")
+    embedding: str = option("lev", "lev (Leviathan) | tied (the paper's baseline) | untied (ablation)")
+    data_dir: str = option("data/demo", "a folder prepare_data.py wrote")
+    out_dir: str = option("", "the run folder; empty: out/<size>-<embedding>")
+    # model shape (vocab_size comes from the data); leviathan.Config checks it
+    d_model: int = option(128, "model width D")
+    n_layer: int = option(4, "Transformer blocks")
+    n_head: int = option(4, "attention heads")
+    seq_len: int = option(256, "tokens per training sequence (the context)")
+    rope_theta: float = option(10_000.0, "rotary base")
+    lev_digits: int = option(3, "LEV: k, digits per id")
+    lev_seed_dim: int = option(128, "LEV: d_seed, the seed's width")
+    lev_heads: int = option(4, "LEV: h heads")
+    lev_knots: int = option(16, "LEV: kappa, B-spline knots")
+    lev_rank: int = option(32, "LEV: r, modes per head")
+    lev_sigmoid_scale: float = option(0.5, "LEV: t = sigmoid(scale * u), (R) 1/2; 1 as in the study's first part")
     # budget, batch and optimiser
-    total_tokens: int | None = option(None, "training tokens; steps = total_tokens // batch_tokens", at_least(1))
-    batch_tokens: int | None = option(None, "tokens per optimizer step over all GPUs (whatever the world size)",
-                                      at_least(1))
-    micro_batch: int | None = option(None, "sequences per GPU per forward pass; accumulation fills the rest",
-                                     at_least(1))
-    lr: float | None = option(None, "peak learning rate of the backbone", positive())
-    lr_input: float | None = option(None, "x lr for the input side (LEV, or the table); None: the size's", positive())
-    lr_head: float | None = option(None, "x lr for the untied head (lev, untied); None: the size's", positive())
-    warmup_steps: int | None = option(None, "steps of linear warmup", at_least(0))
-    min_lr_frac: float = option(0.1, "cosine decay ends at min_lr_frac * lr", within(0, 1, "a fraction of --lr"))
-    weight_decay: float = option(0.1, "on the backbone and head matrices only",
-                                 at_least(0, " (a negative decay would grow the weights)"))
-    beta1: float = option(0.9, "AdamW's first-moment decay", within(0, 1, "a decay", closed=False))
-    beta2: float = option(0.95, "AdamW's second-moment decay", within(0, 1, "a decay", closed=False))
-    grad_clip: float = option(1.0, "largest gradient norm", positive())
-    seed: int = option(1337, "model init and data order", within(0, 2**63, "a seed", closed=False))
+    total_tokens: int = option(2_703_360, "training tokens; steps = total_tokens // batch_tokens")
+    batch_tokens: int = option(16 * 256, "tokens per optimizer step over all GPUs (whatever the world size)")
+    micro_batch: int = option(16, "sequences per GPU per forward pass; accumulation fills the rest")
+    lr: float = option(3e-3, "peak learning rate of the backbone")
+    lr_input: float | None = option(None, "x lr for the input side (LEV, or the table); None: LR_SCALES[size][arm]")
+    lr_head: float | None = option(None, "x lr for the untied head (lev, untied); None: LR_SCALES[size][arm]")
+    warmup_steps: int = option(30, "steps of linear warmup")
+    min_lr_frac: float = option(0.1, "cosine decay ends at min_lr_frac * lr")
+    weight_decay: float = option(0.1, "on the backbone and head matrices only")
+    beta1: float = option(0.9, "AdamW's first-moment decay")
+    beta2: float = option(0.95, "AdamW's second-moment decay")
+    grad_clip: float = option(1.0, "largest gradient norm")
+    seed: int = option(1337, "model init and data order")
     # evaluation, logging, checkpoints
-    eval_interval: int | None = option(None, "steps between evaluations (and one at the end)", at_least(1))
-    eval_tokens: int | None = option(None, "validation tokens evaluated (the first of the val split)", at_least(1))
-    log_interval: int = option(10, "steps between log lines", at_least(1))
-    ckpt_interval: int | None = option(None, "steps between checkpoints (and one at the end)", at_least(1))
+    eval_interval: int = option(200, "steps between evaluations (and one at the end)")
+    eval_tokens: int = option(1 << 16, "validation tokens evaluated (the first of the val split)")
+    log_interval: int = option(10, "steps between log lines")
+    ckpt_interval: int = option(200, "steps between checkpoints (and one at the end)")
     eval_only: bool = option(False, "evaluate out_dir/ckpt.pt and exit")
     resume: bool = option(False, "continue from out_dir/ckpt.pt")
-    stop_step: int = option(0, "save and exit after this step, schedule unchanged (0: run to the end)", at_least(0))
+    stop_step: int = option(0, "save and exit after this step, schedule unchanged (0: run to the end)")
     # hardware
-    device: str = option("auto", "where to train", one_of(("auto", "cpu", "cuda"), "cuda if there is a GPU"))
+    device: str = option("auto", "auto (cuda if there is a GPU) | cpu | cuda")
     compile: bool | None = option(None, "torch.compile; None: on for CUDA, off for CPU")
     bf16: bool | None = option(None, "bf16 autocast of the backbone and the head's matmuls (LEV and the "
                                      "softmax stay float32); None: on for CUDA, off for CPU")
-    bf16_allreduce: bool = option(False, "DDP: all-reduce gradients in bf16, half the traffic (for several nodes)")
+    bf16_allreduce: bool = option(False, "DDP on CUDA: all-reduce gradients in bf16, half the traffic (several nodes)")
     deterministic: bool = option(False, "deterministic kernels: bit-identical reruns and resumes (CUDA: slower)")
     wandb_project: str = option("", "log to Weights & Biases (needs `pip install wandb`)")
     wandb_run_name: str = option("", "the run's name there")
 
-    def __post_init__(self):
-        """The one check of every option's range; None means "from the size" and is checked once
-        resolve() has filled it in. The model's shape is leviathan.Config's to check."""
-        for f in dataclasses.fields(self):
-            value, rule = getattr(self, f.name), f.metadata["rule"]
-            if value is not None and rule is not None and not rule[0](value):
-                raise UserError(f"--{f.name}={value}: must be {rule[1]}")
-        if self.wandb_run_name and not self.wandb_project:
-            raise UserError("--wandb_run_name needs --wandb_project")
-        if self.embedding == "tied" and self.lr_head not in (None, 1.0):
-            raise UserError("--lr_head: the tied arm has no separate head (its table is the head); use --lr_input")
 
-
-MODEL_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name not in ("vocab_size", "embedding")]
-TRAIN_FIELDS = [f.name for f in dataclasses.fields(Preset) if f.name not in ("model", "lr_scales")]  # the preset's rest
+MODEL_FIELDS = [f.name for f in fields(Config) if f.name not in ("vocab_size", "embedding")]
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval", "ckpt_interval",
                "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
@@ -186,42 +136,66 @@ RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_toke
 def parse_args(argv):
     """--name=value options -> {field: value} for the fields given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(TrainConfig):
+    sized = set().union(*SIZES.values())
+    for f in fields(TrainConfig):
         kind = next(t for t in getattr(f.type, "__args__", [f.type]) if t is not type(None))
-        shown = "" if f.default in (None, "") else f" (default: {f.default})"
         how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
             type=parse_number(kind) if kind in (int, float) else str)
+        shown = f" (default: {f.default!r}{'; --size sets its own' if f.name in sized else ''})"
         parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
                             help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
     return vars(parser.parse_args(argv))
 
 
+def check(c):
+    """Refuse the values that would fail late or quietly train something else, one line each
+    (the model's shape is leviathan.Config's to check: model_config)."""
+    positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
+                "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
+    for bad, message in [
+            (c.size not in SIZES, f"--size={c.size}: must be one of {', '.join(SIZES)}"),
+            (c.embedding not in EMBEDDINGS, f"--embedding={c.embedding}: must be one of {', '.join(EMBEDDINGS)}"),
+            (c.device not in ("auto", "cpu", "cuda"), f"--device={c.device}: must be auto, cpu or cuda"),
+            *((not 0 < getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be > 0") for k in positive),
+            *((not 0 <= getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be >= 0")
+              for k in ("warmup_steps", "weight_decay", "stop_step")),
+            (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
+            (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
+            *((not 0 <= getattr(c, k) < 1, f"--{k}={getattr(c, k)}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
+            (c.embedding == "tied" and c.lr_head != 1.0,
+             "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
+            (c.wandb_run_name and not c.wandb_project, "--wandb_run_name needs --wandb_project")]:
+        if bad:
+            raise UserError(message)
+    return c
+
+
 def resolve(given, saved=None):
-    """The full TrainConfig: the options given over (the checkpoint's saved config, when resuming,
-    or) the defaults of the chosen size."""
+    """The full TrainConfig: the options given over the checkpoint's saved config when resuming,
+    else over the chosen size's fields and TrainConfig's defaults."""
     if saved is not None:
         changed = {k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v}
         if changed:
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in sorted(changed)) + "; use another --out_dir")
         try:
-            return TrainConfig(**{**saved, **given})
+            return check(TrainConfig(**{**saved, **given}))
         except TypeError as e:  # a checkpoint from another version of train.py
             raise UserError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
-    config = TrainConfig(**given)
-    preset = SIZES[config.size]
-    lr_input, lr_head = preset.lr_scales[config.embedding]
-    defaults = {**{k: getattr(preset, k) for k in TRAIN_FIELDS}, "lr_input": lr_input, "lr_head": lr_head,
-                **{k: getattr(preset.model, k) for k in MODEL_FIELDS},
-                "out_dir": os.path.join("out", f"{config.size}-{config.embedding}")}
-    config = TrainConfig(**{**asdict(config), **{k: v for k, v in defaults.items() if getattr(config, k) in (None, "")}})
-    model_config(config, {"vocab_size": preset.model.vocab_size})  # the model's shape rules, before any work
+    size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
+    lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown one is check's to refuse
+    config = check(TrainConfig(**{**SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
+                                  "out_dir": os.path.join("out", f"{size}-{arm}"), **given}))
+    default_data = DATA.get(os.path.normpath(config.data_dir).replace(os.sep, "/"))
+    if default_data:
+        model_config(config, default_data[1])  # the model's shape, before any data is read
     return config
 
 
-def model_config(config, meta):
+def model_config(config, n_ids):
+    """The model's Config for a tokenizer of n_ids ids."""
     try:
-        return Config(vocab_size=padded_vocab(meta["vocab_size"]), embedding=config.embedding,
+        return Config(vocab_size=padded_vocab(n_ids), embedding=config.embedding,
                       **{k: getattr(config, k) for k in MODEL_FIELDS})
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
@@ -247,32 +221,17 @@ class Run:
     rank: int
     world: int
     accum: int  # micro-steps per optimizer step on each rank
-    step_windows: int  # windows per optimizer step, over all ranks
     max_steps: int
+    lev: bool  # whether batches carry LEV's distinct ids (to_batch)
     step: int = 0  # optimizer steps done
     raw_model: Model | None = None
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     autocast: object = nullcontext()
     compiled: bool = False
-    writer: "CheckpointWriter | None" = None
     wandb: object = None
-    peak_flops: float | None = None  # per GPU, for MFU
-
-    @property
-    def position(self):
-        """Windows consumed: the data position of step `step`, the same for any world size."""
-        return self.step * self.step_windows
-
-    @property
-    def lev(self):
-        """Whether batches carry LEV's distinct ids (to_batch)."""
-        return self.model_config.embedding == "lev"
-
-    @property
-    def n_buckets(self):
-        """Frequency buckets: count 0, then as many decades (1-9, 10-99, ...) as the most frequent token needs."""
-        return 1 + len(str(max(1, int(self.counts.max()))))
+    saving: threading.Thread | None = None  # rank 0: the checkpoint write in flight
+    save_error: UserError | None = None  # what that write met
 
 
 def setup_device(config):
@@ -280,6 +239,8 @@ def setup_device(config):
     kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
+    if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP accepts it with NCCL only
+        raise UserError("--bf16_allreduce needs NCCL, which runs on CUDA GPUs only; leave it off here")
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in os.environ:
         raise UserError("started as one of several SLURM tasks without torchrun: every task would train "
                         "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
@@ -315,16 +276,10 @@ def failed_rank(error):
     return None if lowest.item() == dist.get_world_size() else int(lowest.item())
 
 
-def prepare_command(data_dir):
-    """How to make a size's default data folder, or None for a folder the user named."""
-    return {"data/demo": "python prepare_data.py --dataset=demo", "data/pile": "python prepare_data.py"}.get(
-        os.path.normpath(data_dir).replace(os.sep, "/"))
-
-
 def open_data(data_dir):
     """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = prepare_command(data_dir)
+        command = DATA.get(os.path.normpath(data_dir).replace(os.sep, "/"), [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
             f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
     meta = load_meta(data_dir)
@@ -384,11 +339,63 @@ def checked_window(shard, start, seq_len, vocab_size):
     return window
 
 
+def check_checkpoint(ckpt, model_cfg, meta, path):
+    here, there = asdict(model_cfg), ckpt["model_config"]
+    if there != here:
+        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
+                if there.get(k) != here.get(k)]
+        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
+                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
+    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
+        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
+                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                        f"{meta.get('vocab_size')} ids)")
+
+
+def read_log(path):
+    """The records of a run's log.jsonl, in order ([] if it has none). A last line without its
+    newline (a run killed while writing it) is left out; any other damaged line is one error."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")[:-1]  # what follows the last newline is a cut line, or nothing
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not (isinstance(record, dict) and record.get("type") in ("train", "eval") and isinstance(record.get("step"), int)):
+            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line and run again")
+        records.append(record)
+    return records
+
+
+def lock_run_folder(out_dir):
+    """One train.py at a time per run folder: an exclusive lock on the folder itself (nothing is
+    written), held by rank 0 until the run ends; the kernel drops it when a process dies, so a
+    crashed run leaves none behind. Returns the locked descriptor (None where the filesystem has
+    no locks, as some cluster filesystems do: the folder then goes unlocked)."""
+    if fcntl is None:
+        return None
+    folder = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(folder)
+        raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
+                        "another --out_dir") from None
+    except OSError:
+        os.close(folder)
+        return None
+    return folder
+
+
 def open_run(argv):
     """Every check that can refuse the run, in order, before anything is written; then the Run."""
     given = parse_args(argv)
     config = resolve(given)  # also fixes the default out_dir
-    path = os.path.join(given.get("out_dir") or config.out_dir, "ckpt.pt")
+    path = os.path.join(config.out_dir, "ckpt.pt")
     loading = config.resume or config.eval_only
     if loading and not os.path.exists(path):
         raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; train first (without "
@@ -401,7 +408,7 @@ def open_run(argv):
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
-    model_cfg = model_config(config, meta)
+    model_cfg = model_config(config, meta["vocab_size"])
     if ckpt is not None:
         check_checkpoint(ckpt, model_cfg, meta, path)
     if config.resume:  # the log it continues: damaged, refused before anything is written
@@ -432,48 +439,7 @@ def open_run(argv):
     return Run(config=config, model_config=model_cfg, meta=meta, counts=counts, lock=lock,
                byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), train=train, val=val, ckpt=ckpt,
                device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
-               step_windows=config.batch_tokens // config.seq_len, max_steps=config.total_tokens // config.batch_tokens)
-
-
-def lock_run_folder(out_dir):
-    """One train.py at a time per run folder: an exclusive lock on the folder itself (nothing is
-    written), held by rank 0 until the run ends; the kernel drops it when a process dies, so a
-    crashed run leaves none behind. Returns the locked descriptor (None where the filesystem has
-    no locks, as some cluster filesystems do: the folder then goes unlocked)."""
-    if fcntl is None:
-        return None
-    folder = os.open(out_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(folder)
-        raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
-                        "another --out_dir") from None
-    except OSError:
-        os.close(folder)
-        return None
-    return folder
-
-
-# ---------------------------------------------------------------------------- model and optimizer
-
-
-# Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. Matched in
-# order on the words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
-# a variant before the plain name it contains; whole words, so a GB200 is not taken for a B200.
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("GH200", 989e12), ("H200 NVL", 835e12),
-              ("H200", 989e12), ("GB200", 2500e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
-              ("A10", 125e12)]
-
-
-def peak_flops(device_name):
-    """The PEAK_FLOPS entry whose words appear, in order and whole, in the device's name; else None."""
-    words = re.split(r"[\s\-_]+", device_name.upper())
-    for key, flops in PEAK_FLOPS:
-        key_words = key.upper().split()
-        if any(words[i:i + len(key_words)] == key_words for i in range(len(words))):
-            return flops
-    return None
+               max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev")
 
 
 DDP = torch.nn.parallel.DistributedDataParallel
@@ -481,15 +447,6 @@ DDP = torch.nn.parallel.DistributedDataParallel
 # (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers.)
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                   else {"broadcast_buffers": False})
-
-
-def bf16_allreduce_hook(group, bucket):
-    """DDP communication hook: average a bucket of float32 gradients as bf16, half the bytes on the
-    wire. Not torch's bf16_compress_hook: DDP refuses that one without NCCL, so no CPU test could run it."""
-    group = group or dist.group.WORLD
-    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(
-        lambda future: bucket.buffer().copy_(future.value()[0]))
 
 
 def build(run):
@@ -500,7 +457,6 @@ def build(run):
     # AdamW: weight decay on the backbone and head matrices only, a learning rate per kind of parameter
     run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, (config.beta1, config.beta2),
                                                        fused=cuda, lr_input=config.lr_input, lr_head=config.lr_head)
-    run.writer = CheckpointWriter()
     if run.ckpt is not None:
         # No RNG state is restored: after the init above, no step draws a random number.
         run.raw_model.load_state_dict(run.ckpt["model"])
@@ -518,8 +474,14 @@ def build(run):
         run.model = DDP(run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True,
                         **NO_BUFFER_SYNC)
         if config.bf16_allreduce:
-            run.model.register_comm_hook(None, bf16_allreduce_hook)
-    run.peak_flops = peak_flops(torch.cuda.get_device_name(run.device)) if cuda else None
+            run.model.register_comm_hook(None, bf16_compress_hook)
+
+
+def keep_log_until(path, step):
+    """A resumed run keeps its log up to the checkpoint (an interrupted one may have logged past it);
+    a new run (step 0) starts a new log."""
+    records = [r for r in read_log(path) if r["step"] <= step] if step else []
+    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
 
 
 def start_outputs(run):
@@ -531,7 +493,6 @@ def start_outputs(run):
           f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
     if not config.eval_only:
         write_json(os.path.join(config.out_dir, "config.json"), dict(train=asdict(config), model=asdict(model_cfg)))
-        # a resumed run keeps its log up to the checkpoint; a new run starts a new log
         keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
     if config.wandb_project:
         import wandb
@@ -556,6 +517,267 @@ def set_up(argv):
     if run.rank == 0:
         start_outputs(run)
     return run
+
+
+# ---------------------------------------------------------------------------- one step, and its log line
+
+
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
+# time limit. Both are a preemption: save and exit, with no evaluation in between.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP = {"signal": None}
+
+
+def on_signal(signum, frame):
+    # Only note it: the step in flight finishes and is checkpointed by main(). A second Ctrl-C
+    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
+    # Ctrl-C) is ignored so that the save can finish.
+    if STOP["signal"] is not None:
+        if signum == signal.SIGINT == STOP["signal"]:
+            raise SystemExit(128 + signum)
+        return
+    STOP["signal"] = signum
+    # os.write, not print: a signal that lands during a print would make print re-enter itself
+    os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n".encode())
+
+
+def lr_at(step, config, max_steps):
+    """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, max_steps - config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
+
+
+def to_batch(windows, device, lev):
+    """(inputs, targets, distinct) on the device; for LEV, distinct is the inputs' distinct_ids,
+    made here on the CPU so that the step need not wait for the device to know their number. On a
+    GPU all three go in one pinned copy that the host does not wait for."""
+    xy = torch.from_numpy(np.stack(windows).astype(np.int64))
+    parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
+    if device.type == "cuda":
+        flat = torch.cat([part.flatten() for part in parts]).pin_memory().to(device, non_blocking=True)
+        parts = [piece.view(part.shape) for piece, part in zip(flat.split([part.numel() for part in parts]), parts)]
+    return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
+
+
+def train_step(run):
+    """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
+    (r * accum + m) of the step's windows, so the batch is the same for any world size."""
+    micro_batch, step_windows = run.config.micro_batch, run.config.batch_tokens // run.config.seq_len
+    for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
+        group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
+    # Every rank reads the whole step's windows (each is checked as it is read), so that a damaged
+    # one stops all ranks alike, with one error line, instead of one rank amid a collective.
+    windows = [run.train[p] for p in range(run.step * step_windows, (run.step + 1) * step_windows)]
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(run.accum):
+        first = (run.rank * run.accum + micro) * micro_batch
+        x, y, distinct = to_batch(windows[first:first + micro_batch], run.device, run.lev)
+        last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
+        with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
+            loss = run.model(x, y, distinct=distinct)
+        (loss / run.accum).backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.config.grad_clip)
+    # One all_reduce for the mean loss and "did any rank get a signal", so all ranks stop together.
+    shared = torch.stack([loss_sum / run.accum, torch.tensor(float(STOP["signal"] is not None), device=run.device)])
+    if run.world > 1:
+        dist.all_reduce(shared)
+    loss, stop, grad_norm = shared[0].item() / run.world, shared[1].item() > 0, grad_norm.item()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: stopped without updating; "
+                        "the last good checkpoint is kept (try a lower --lr)")
+    run.optimizer.step()
+    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay so, and
+    # every micro-step accumulates into the buckets. Set to None, the no_sync micro-steps would make
+    # fresh gradients beside the buckets (a second copy: 4.9 GB at 1.2b) for DDP to copy in at the end.
+    run.optimizer.zero_grad(set_to_none=run.world == 1)
+    return loss, grad_norm, stop
+
+
+# Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. A variant
+# comes before the plain name it contains.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
+              "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def peak_flops(device_name):
+    """The first PEAK_FLOPS entry whose words are all whole words of the device's name
+    ("NVIDIA A100-SXM4-80GB"), so that a GB200 is not taken for a B200; else None (no MFU)."""
+    words = set(re.split(r"[\s\-_]+", device_name.upper()))
+    return next((flops for key, flops in PEAK_FLOPS.items() if set(key.upper().split()) <= words), None)
+
+
+def log_record(run, record):
+    with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if run.wandb:
+        run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+
+
+def log_step(run, loss, grad_norm, seconds, steps_done):
+    step, config, cuda = run.step, run.config, run.device.type == "cuda"
+    tokens_per_s = steps_done * config.batch_tokens / seconds
+    eta = (run.max_steps - step) * seconds / steps_done
+    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
+                  grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
+    line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
+    peak = peak_flops(torch.cuda.get_device_name(run.device)) if cuda else None
+    if peak:
+        record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
+        line += f" | MFU {100 * record['mfu']:.1f}%"
+    if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
+        record["graphs"] = counters["stats"]["unique_graphs"]
+        record["graph_breaks"] = sum(counters["graph_break"].values())
+    if cuda:  # reserved: what the allocator holds, the figure that must fit the GPU
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+        record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9
+        line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
+    print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
+    log_record(run, record)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def bucket_sums(losses, target_counts, n_buckets):
+    """Per-token losses (nats) and each target's count in the training data -> summed nats and
+    tokens per bucket. Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j); n_buckets must
+    cover the largest count. Sums (not means) so that ranks can add theirs with one all_reduce."""
+    edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
+    bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
+    nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
+    return nats, np.bincount(bucket, minlength=n_buckets)
+
+
+def bucket_table(nats, tokens):
+    """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
+    target's training count; loss and ppl are None for an empty bucket."""
+    rows = []
+    for j, (n, t) in enumerate(zip(nats, tokens)):
+        loss = float(n / t) if t else None
+        rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
+                         ppl=math.exp(loss) if t else None))
+    return rows
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
+    Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
+    # raw_model (compiled, not DDP): DDP's forward syncs buffers, which a rank with fewer windows would miss
+    model, micro_batch = run.raw_model, run.config.micro_batch
+    n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # count 0, then the decades the largest count needs
+    nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
+    rank_windows = run.val[run.rank::run.world]
+    for i in range(0, len(rank_windows), micro_batch):
+        windows = rank_windows[i:i + micro_batch]
+        # An uneven last batch is padded with copies of its last window, whose losses are dropped:
+        # a batch of another shape would make the compiled model compile again.
+        x, y, distinct = to_batch(windows + windows[-1:] * (micro_batch - len(windows)), run.device, run.lev)
+        with run.autocast:
+            losses = model(x, y, reduction="none", distinct=distinct)[:len(windows)]
+        targets = y[:len(windows)].flatten().cpu().numpy()
+        n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
+        nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
+    sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
+    if run.world > 1:
+        dist.all_reduce(sums)
+    nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
+    loss = nats.sum() / tokens.sum()
+    return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
+                eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
+
+
+def report_eval(run, result):
+    """Rank 0: print the result, write eval_step<N>.json and log it."""
+    if run.rank != 0:
+        return
+    print(f"eval step {run.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
+          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
+    print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
+    for row in result["buckets"]:
+        if row["tokens"]:
+            print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
+    record = dict(step=run.step, tokens_seen=run.step * run.config.batch_tokens, **result)
+    write_json(os.path.join(run.config.out_dir, f"eval_step{run.step}.json"), record)
+    log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+#
+# ckpt.pt holds model, optimizer, model_config, train_config, data_meta, step and tokens_seen: all
+# a resume needs, on any number of GPUs (the data position is step * batch_tokens // seq_len; no
+# step draws a random number, so no RNG state). sample.py reads it too.
+
+
+def cpu_copy(obj, copies):
+    """obj (dicts and lists of tensors) with each tensor copied into CPU memory; a tensor met twice
+    (the tied table is also the head) is copied once, so torch.save still writes it once."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in copies:
+            copies[id(obj)] = obj.detach().to("cpu", copy=True)
+        return copies[id(obj)]
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v, copies) for k, v in obj.items()}
+    return [cpu_copy(v, copies) for v in obj] if isinstance(obj, list) else obj
+
+
+def checkpoint(run, wait=False):
+    """Save the run at this step. Waiting for the write would cost a 1.2b run ~12% of its wall time
+    (~15 GB at 5 s/GB every 1,000 steps), so rank 0 copies the state to CPU memory (seconds) and a
+    thread writes it while training goes on. One write at a time; wait=True (the last step, a
+    preemption) returns once it is on disk."""
+    wait_for_save(run)
+    if run.rank == 0:
+        state = dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
+                     model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
+                     step=run.step, tokens_seen=run.step * run.config.batch_tokens)
+        run.saving = threading.Thread(target=write_checkpoint, args=(run, cpu_copy(state, {})))
+        run.saving.start()
+    if wait:
+        wait_for_save(run)
+
+
+def write_checkpoint(run, state):
+    """The writer thread: fsynced and renamed into place (atomic_write), so a failed write (a full
+    disk) keeps the previous checkpoint whole; its error waits for wait_for_save."""
+    path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
+    try:
+        atomic_write(path, lambda f: torch.save(state, f))
+    except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        run.save_error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
+        return
+    print(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB written in "
+          f"{time.time() - start:.1f} s (training went on meanwhile)", flush=True)
+
+
+def wait_for_save(run):
+    """Rank 0 waits for the write in flight; then every rank learns whether it failed, and all stop alike."""
+    if run.saving is not None:
+        run.saving.join()
+        run.saving = None
+    failed = torch.tensor(float(run.save_error is not None), device=run.device)
+    if run.world > 1:
+        dist.broadcast(failed, 0)
+    if failed.item():
+        error, run.save_error = run.save_error or UserError("rank 0 could not write the checkpoint"), None
+        raise error
+
+
+def shut_down(code):
+    """Leave the process group once every rank is done (rank 0's checkpoint written); the exit status passes through."""
+    if dist.is_initialized():
+        dist.barrier()
+        if dist.get_backend() == "gloo":  # gloo's teardown can deadlock on the GIL (pytorch#56297): skip it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # everything this rank wrote is already flushed
+        dist.destroy_process_group()
+    return code
 
 
 # ---------------------------------------------------------------------------- main: set-up, the loop, shut-down
@@ -604,356 +826,11 @@ def main(argv):
             print_error(e)
         code = 1
     finally:
-        if run.rank == 0:
-            run.writer.finish()  # a checkpoint still being written is completed
+        if run.saving is not None:
+            run.saving.join()  # a checkpoint still being written is completed
         if run.lock is not None:
             os.close(run.lock)  # the folder is free for the next run
     return shut_down(code)
-
-
-# ---------------------------------------------------------------------------- one step
-
-
-def lr_at(step, config, max_steps):
-    """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, max_steps - config.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
-
-
-def to_batch(windows, device, lev):
-    """(inputs, targets, distinct) on the device; for LEV, distinct is the inputs' distinct_ids,
-    made here on the CPU so that the step need not wait for the device to know their number. On a
-    GPU all three go in one pinned copy that the host does not wait for."""
-    xy = torch.from_numpy(np.stack(windows).astype(np.int64))
-    parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
-    if device.type == "cuda":
-        flat = torch.cat([part.flatten() for part in parts]).pin_memory().to(device, non_blocking=True)
-        parts = [piece.view(part.shape) for piece, part in zip(flat.split([part.numel() for part in parts]), parts)]
-    return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
-
-
-def train_step(run):
-    """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
-    (r * accum + m) of the step's windows, so the batch is the same for any world size."""
-    micro_batch = run.config.micro_batch
-    for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
-        group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
-    # Every rank reads the whole step's windows (each is checked as it is read), so that a damaged
-    # one stops all ranks alike, with one error line, instead of one rank amid a collective.
-    windows = [run.train[p] for p in range(run.position, run.position + run.step_windows)]
-    loss_sum = torch.zeros((), device=run.device)
-    for micro in range(run.accum):
-        first = (run.rank * run.accum + micro) * micro_batch
-        x, y, distinct = to_batch(windows[first:first + micro_batch], run.device, run.lev)
-        last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
-        with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
-            loss = run.model(x, y, distinct=distinct)
-        (loss / run.accum).backward()
-        loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.config.grad_clip)
-    # One all_reduce for the mean loss and "did any rank get a signal", so all ranks stop together.
-    shared = torch.stack([loss_sum / run.accum, torch.tensor(float(STOP["signal"] is not None), device=run.device)])
-    if run.world > 1:
-        dist.all_reduce(shared)
-    loss, stop, grad_norm = shared[0].item() / run.world, shared[1].item() > 0, grad_norm.item()
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: stopped without updating; "
-                        "the last good checkpoint is kept (try a lower --lr)")
-    run.optimizer.step()
-    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay so, and
-    # every micro-step accumulates into the buckets. Set to None, the no_sync micro-steps would make
-    # fresh gradients beside the buckets (a second copy: 4.9 GB at 1.2b) for DDP to copy in at the end.
-    run.optimizer.zero_grad(set_to_none=run.world == 1)
-    return loss, grad_norm, stop
-
-
-def log_step(run, loss, grad_norm, seconds, steps_done):
-    step, config = run.step, run.config
-    tokens_per_s = steps_done * config.batch_tokens / seconds
-    eta = (run.max_steps - step) * seconds / steps_done
-    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
-                  grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
-    line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
-    if run.peak_flops:
-        record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (run.peak_flops * run.world)
-        line += f" | MFU {100 * record['mfu']:.1f}%"
-    if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
-        record["graphs"] = counters["stats"]["unique_graphs"]
-        record["graph_breaks"] = sum(counters["graph_break"].values())
-    if run.device.type == "cuda":  # reserved: what the allocator holds, the figure that must fit the GPU
-        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
-        record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9
-        line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
-    print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
-    log_record(run, record)
-
-
-def log_record(run, record):
-    with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if run.wandb:
-        run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
-
-
-# ---------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate(run):
-    """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
-    Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
-    # raw_model (compiled, not DDP): DDP's forward syncs buffers, which a rank with fewer windows would miss
-    model = run.raw_model
-    n_buckets, micro_batch = run.n_buckets, run.config.micro_batch
-    nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
-    rank_windows = run.val[run.rank::run.world]
-    for i in range(0, len(rank_windows), micro_batch):
-        windows = rank_windows[i:i + micro_batch]
-        # An uneven last batch is padded with copies of its last window, whose losses are dropped:
-        # a batch of another shape would make the compiled model compile again.
-        x, y, distinct = to_batch(windows + windows[-1:] * (micro_batch - len(windows)), run.device, run.lev)
-        with run.autocast:
-            losses = model(x, y, reduction="none", distinct=distinct)[:len(windows)]
-        targets = y[:len(windows)].flatten().cpu().numpy()
-        n, t = bucket_sums(losses.flatten().double().cpu().numpy(), run.counts[targets], n_buckets)
-        nats, tokens, n_bytes = nats + n, tokens + t, n_bytes + int(run.byte_lengths[targets].sum())
-    sums = torch.tensor(np.concatenate([nats, tokens, [n_bytes]]), dtype=torch.float64, device=run.device)
-    if run.world > 1:
-        dist.all_reduce(sums)
-    nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
-    loss = nats.sum() / tokens.sum()
-    return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
-                eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
-
-
-def report_eval(run, result):
-    """Rank 0: print the result, write eval_step<N>.json and log it."""
-    if run.rank != 0:
-        return
-    step = run.step
-    print(f"eval step {step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
-          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
-    print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
-    for row in result["buckets"]:
-        if row["tokens"]:
-            print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
-    record = dict(step=step, tokens_seen=step * run.config.batch_tokens, **result)
-    write_json(os.path.join(run.config.out_dir, f"eval_step{step}.json"), record)
-    log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
-
-
-def bucket_sums(losses, target_counts, n_buckets):
-    """Per-token losses (nats) and each target's count in the training data -> summed nats and
-    tokens per bucket. Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j); n_buckets must
-    cover the largest count. Sums (not means) so that ranks can add theirs with one all_reduce."""
-    edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
-    bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
-    nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
-    return nats, np.bincount(bucket, minlength=n_buckets)
-
-
-def bucket_table(nats, tokens):
-    """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
-    target's training count; loss and ppl are None for an empty bucket."""
-    rows = []
-    for j, (n, t) in enumerate(zip(nats, tokens)):
-        loss = float(n / t) if t else None
-        rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
-                         ppl=math.exp(loss) if t else None))
-    return rows
-
-
-# ---------------------------------------------------------------------------- checkpoints
-#
-# ckpt.pt holds model, optimizer, model_config, train_config, data_meta, step and tokens_seen: all
-# a resume needs, on any number of GPUs (the data position is step * step_windows; no step draws a
-# random number, so no RNG state). Rank 0 writes it atomically in the background (sample.py reads it).
-
-
-def checkpoint(run, wait=False):
-    """Save the run at this step without stalling training: rank 0 copies the state to CPU memory
-    (a second or so at 1.2b) and a background thread writes it, fsynced and renamed into place
-    (atomic_write), while training goes on. One write at a time: the next checkpoint, or wait=True
-    (the last step, a preemption), first waits for the one in flight. A failed write (a full disk)
-    stops every rank alike, the moment rank 0 learns of it; the previous checkpoint is kept."""
-    agree_on_write(run)  # the previous write
-    if run.rank == 0:
-        state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-                     model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
-                     step=run.step, tokens_seen=run.step * run.config.batch_tokens)
-        run.writer.start(os.path.join(run.config.out_dir, "ckpt.pt"), run.writer.copy_to_cpu(state), run.step)
-    if wait:
-        agree_on_write(run)
-
-
-def agree_on_write(run):
-    """Rank 0 waits for the write in flight; then every rank learns whether it failed."""
-    error = None
-    if run.rank == 0:
-        try:
-            run.writer.wait()
-        except UserError as e:
-            error = e
-    if run.world > 1:
-        saved = torch.tensor(float(error is None), device=run.device)
-        dist.broadcast(saved, 0)
-        if not saved.item() and error is None:
-            error = UserError("rank 0 could not write the checkpoint")
-    if error is not None:
-        raise error
-
-
-def map_tensors(obj, fn):
-    """obj (dicts, lists and tuples of tensors and plain values) with fn applied to each tensor."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def memory_of(t):
-    """Where a tensor's values live: equal for two tensors that are views of the same values."""
-    return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride()
-
-
-class CheckpointWriter:
-    """Rank 0's writer thread, and the CPU copy it writes from, allocated at the first checkpoint
-    and reused: a 1.2b run holds one ~15 GB copy in host memory, exactly the state's size. Not
-    pinned: the caching host allocator rounds each pinned tensor up to a power of two (~20 GB at
-    1.2b, held for the whole run); a pageable copy is slower (the driver stages it), a few seconds
-    at 1.2b once per checkpoint."""
-
-    def __init__(self):
-        self.thread, self.error, self.buffers = None, None, None
-
-    def copy_to_cpu(self, state):
-        """state with every tensor copied into the CPU buffers. Tensors that are one tensor (the tied
-        arm's table, which state_dict lists again as the head) get one copy, which torch.save then
-        writes once, as it would the originals."""
-        tensors = {}  # the distinct tensors, by where their values live
-        map_tensors(state, lambda t: tensors.setdefault(memory_of(t), t))
-        shapes = [(t.shape, t.dtype) for t in tensors.values()]
-        if self.buffers is None or [(b.shape, b.dtype) for b in self.buffers] != shapes:
-            self.buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
-        copies = dict(zip(tensors, self.buffers))
-        for key, t in tensors.items():
-            copies[key].copy_(t)  # into pageable memory: complete before training changes the original
-        return map_tensors(state, lambda t: copies[memory_of(t)])
-
-    def start(self, path, state, step):
-        self.thread = threading.Thread(target=self.write, args=(path, state, step))
-        self.thread.start()
-
-    def write(self, path, state, step):
-        start = time.time()
-        try:
-            atomic_write(path, lambda f: torch.save(state, f))
-        except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
-            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-            self.error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
-            return
-        print(f"checkpoint: step {step}, {os.path.getsize(path) / 1e9:.2f} GB written in {time.time() - start:.1f} s "
-              "(training went on meanwhile)", flush=True)
-
-    def finish(self):
-        """At exit, after an error elsewhere: let a write in flight complete, keeping that error."""
-        if self.thread is not None:
-            self.thread.join()
-
-    def wait(self):
-        """Until the write in flight is on disk; raises its error, if it failed."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        error, self.error = self.error, None
-        if error is not None:
-            raise error
-
-
-def check_checkpoint(ckpt, model_cfg, meta, path):
-    here, there = asdict(model_cfg), ckpt["model_config"]
-    if there != here:
-        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
-                if there.get(k) != here.get(k)]
-        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
-                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
-    same_tokenizer = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
-    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in same_tokenizer):
-        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
-                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
-                        f"{meta.get('vocab_size')} ids)")
-
-
-def read_log(path):
-    """The records of a run's log.jsonl, in order ([] if it has none). A last line without its
-    newline (a run killed while writing it) is left out; any other damaged line is one error."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.endswith("\n"):
-                break
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
-                    and isinstance(record.get("step"), int)):
-                raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line "
-                                "and run again")
-            records.append(record)
-    return records
-
-
-def keep_log_until(path, step):
-    """A resumed run keeps its log up to the checkpoint (an interrupted one may have logged past it);
-    a new run (step 0) starts a new log."""
-    records = [r for r in read_log(path) if r["step"] <= step] if step else []
-    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
-
-
-# ---------------------------------------------------------------------------- preemption signals and shut-down
-
-
-# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
-# time limit. Both are a preemption: save and exit, with no evaluation in between.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-STOP = {"signal": None}
-
-
-def on_signal(signum, frame):
-    # Only note it: the step in flight finishes and is checkpointed by train(). A second Ctrl-C
-    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
-    # Ctrl-C) is ignored so that the save can finish.
-    if STOP["signal"] is not None:
-        if signum == signal.SIGINT == STOP["signal"]:
-            raise SystemExit(128 + signum)
-        return
-    STOP["signal"] = signum
-    # os.write, not print: a signal that lands during a print would make print re-enter itself
-    os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n".encode())
-
-
-def shut_down(code):
-    """Leave the process group once every rank is done; the exit status passes through."""
-    if dist.is_initialized():
-        dist.barrier()  # every rank has finished (and rank 0 has written its checkpoint)
-        if dist.get_backend() == "gloo":
-            # Tearing down gloo can deadlock on the GIL while its threads release Python-owned
-            # tensors (pytorch#56297; observed in about 1 of 6 CPU runs, after all work was done), so
-            # a gloo rank leaves without the teardown: everything it wrote is already flushed.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        dist.destroy_process_group()
-    return code
 
 
 if __name__ == "__main__":

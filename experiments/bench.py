@@ -36,14 +36,15 @@ from leviathan import (EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Fused, Model,
                        linear_cross_entropy, padded_vocab)
 from prepare_data import (ArgumentParser, UserError, demo_documents, get_tokenizer, load_meta, parse_number, run_main,
                           write_json)
-from train import SIZES
+from train import DATA, model_config, resolve
 
 PREPARE_DATA = os.path.join(runs.ROOT, "prepare_data.py")
 
 
 def size_model(size, **overrides):
-    """The model of a size in train.SIZES, with some fields changed."""
-    return dataclasses.replace(SIZES[size].model, **overrides)
+    """The model of a size in train.SIZES, on its own data's vocabulary, with some fields changed."""
+    config = resolve({"size": size})
+    return dataclasses.replace(model_config(config, DATA[config.data_dir][1]), **overrides)
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -261,7 +262,7 @@ def bench_train(args, device):
     """The real training loop (train.py on the demo corpus, tiny preset): tokens/s of each arm,
     runs interleaved. Needs `python prepare_data.py --dataset=demo` first."""
     rates, steps = {e: [] for e in EMBEDDINGS}, 60
-    tiny_batch_tokens = SIZES["tiny"].batch_tokens
+    tiny_batch_tokens = resolve({"size": "tiny"}).batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, embedding in itertools.product(range(args.repeats), EMBEDDINGS):
             out_dir, output = os.path.join(tmp, f"{embedding}{repeat}"), os.path.join(tmp, f"{embedding}{repeat}.txt")
@@ -377,8 +378,7 @@ def memory_estimate(size):
     """Bytes per GPU for the lev arm of a paper size at its micro-batch, by part. What the compiled
     graph saves is measured at 1 and 2 layers and 128 and 256 tokens, and fitted as
     a + b*layers + c*tokens + d*layers*tokens: b is each layer's bf16 weight copies, d its activations."""
-    preset = SIZES[size]
-    base = dataclasses.replace(preset.model, embedding="lev")
+    preset, base = resolve({"size": size}), size_model(size, embedding="lev")
     m = {(layers, tokens): saved_by_compiled_graph(dataclasses.replace(base, n_layer=layers, seq_len=tokens), tokens)
          for layers in (1, 2) for tokens in (128, 256)}
     d = (m[2, 256] - m[1, 256] - m[2, 128] + m[1, 128]) / 128
@@ -404,7 +404,8 @@ def bench_memory(args, device):
     """The README's memory table: GB per GPU for each paper size's lev arm, part by part."""
     for size in ("200m", "400m", "1.2b"):
         parts = memory_estimate(size)
-        print(f"\n{size}, lev, micro-batch {SIZES[size].micro_batch} x {SIZES[size].model.seq_len}, one GPU or DDP (GB)")
+        preset = resolve({"size": size})
+        print(f"\n{size}, lev, micro-batch {preset.micro_batch} x {preset.seq_len}, one GPU or DDP (GB)")
         for name, value in parts.items():
             print(f"  {name:<64}{value / 1e9:6.2f}")
         print(f"  {'total (DDP adds nothing: the gradients are its buckets)':<64}{sum(parts.values()) / 1e9:6.2f}"
@@ -580,8 +581,8 @@ def shape_of(size, toy):
 
 def micro_batch_shape(shape):
     """(sequences, tokens per sequence) of one micro-batch of a shape."""
-    preset = SIZES[shape["size"]]
-    return shape.get("micro_batch", preset.micro_batch), shape.get("seq_len", preset.model.seq_len)
+    preset = resolve({"size": shape["size"]})
+    return shape.get("micro_batch", preset.micro_batch), shape.get("seq_len", preset.seq_len)
 
 
 def train_options(args, device, shape, micro_batches, run_dir, stop_step):

@@ -51,12 +51,13 @@ import numpy as np
 from experiments import lev_variants
 from experiments.runs import finished, log_records, shown, train as train_run, wait
 from prepare_data import UserError, load_meta, read_json, read_shard, run_main, shard_paths, write_shard
-from train import SIZES
+from train import resolve
 
 STUDY_DIR = os.path.join("out", "study")  # relative to the repository root, where the commands run
 FIGURES_DIR = os.path.join("experiments", "figures")
-BATCH_TOKENS = SIZES["tiny"].batch_tokens  # 4,096 tokens per step; budgets are given in steps
-FULL_STEPS = SIZES["tiny"].total_tokens // BATCH_TOKENS  # 660 steps = 2.7M tokens
+TINY = resolve({"size": "tiny"})  # train.py's tiny size
+BATCH_TOKENS = TINY.batch_tokens  # 4,096 tokens per step; budgets are given in steps
+FULL_STEPS = TINY.total_tokens // BATCH_TOKENS  # 660 steps = 2.7M tokens
 ARMS = ("lev", "tied", "untied")
 SEEDS = (1337, 1338)
 # The first plans (tune to long) computed LEV's step 3b as t = sigmoid(u); leviathan.py's default
