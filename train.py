@@ -6,16 +6,12 @@
     python train.py --size=200m --resume                       # continue out/200m-lev exactly
     python train.py --size=200m --eval_only                    # evaluate its checkpoint
 
-Every field of TrainConfig is an option, --name=value (a bare --flag means true). Its defaults
-are the tiny size's; --size=NAME changes the fields that SIZES[NAME] names, and an option given
-changes any. `python train.py --help` lists them all.
-
-Read top to bottom: the sizes and the options; the set-up (device, DDP, data), where every check
-that can refuse a run comes before any work; what one step, an evaluation and a checkpoint do;
-last, main with the training loop.
+Every field of TrainConfig is an option, --name=value (a bare --flag means true). Its defaults are
+the tiny size's; --size=NAME sets the fields SIZES[NAME] names; an option given beats both.
 """
 import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time
 from contextlib import nullcontext
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -36,19 +32,13 @@ from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the sizes and the options
 
-# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter).
-# Learning rate, warmup and decay, which it does not publish, are conservative GPT-3/Pythia
-# values (LEV's product spikes at too high a rate). One shape rule: heads of 128 dims, SwiGLU of
-# 8/3 D, and the depth that brings the *tied* model (embedding included, as the paper counts)
-# closest to its nominal size with o200k_base. D = 2048 at 1.2B is the paper's; it publishes no
-# other width and no depth, so 768 and 1024 are the usual GPT-2/LLaMA widths. The o200k table
-# is 154M of the 200M model, which leaves it 7 layers.
-#   200m: 203.2M tied   400m: 397.6M tied   1.2b: 1.219B tied (tests/test_train.py checks)
-# tiny (TrainConfig's own defaults): minutes on a 2-core CPU on the demo corpus, 660 steps; lr
-# 3e-3 trains all three arms smoothly (1e-2 made LEV spike). Heads of 32 dims, as 128-dim heads
-# would leave a 128-wide model one head. LEV keeps d_seed = 128 and kappa = 16 but has h * r = D
-# modes (h=4, r=32) instead of the paper's 512: at D = 128 the paper's LEV would cost more per
-# distinct id than the whole backbone costs per token.
+# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter). It
+# publishes no rates: these are conservative GPT-3/Pythia values (LEV's product spikes at too high a
+# rate). Heads of 128 dims, and the depth that brings the *tied* model (embedding included, as the
+# paper counts) closest to its size with o200k_base: 203.2M, 397.6M, 1.219B. D = 2048 at 1.2B is the
+# paper's; 768 and 1024 are the usual GPT-2/LLaMA widths. tiny (TrainConfig's defaults): minutes on
+# a 2-core CPU; lr 3e-3 trains all three arms smoothly; heads of 32 dims; LEV has h * r = D modes
+# (h=4, r=32), not the paper's 512, which at D = 128 would cost more than the backbone per token.
 PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512, micro_batch=16,
              warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
 SIZES = {  # each size: the TrainConfig fields it sets
@@ -57,22 +47,18 @@ SIZES = {  # each size: the TrainConfig fields it sets
     "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
     "1.2b": dict(PAPER, d_model=2048, n_layer=16, n_head=16, total_tokens=24_100_000_000, lr=2e-4),
 }
-# Each size's (lr_input, lr_head) per arm, multipliers of lr (Model.configure_optimizers), from
-# the CPU-scale study's width sweep (experiments/study.md): at D = 128 its best; at the paper's
-# widths the power laws fitted there, extrapolated. Zero-initialised heads and the tied table
-# want far more than the backbone's rate, LEV a tenth of it.
+# (lr_input, lr_head) per size and arm, multipliers of lr (Model.configure_optimizers): the width
+# sweep's best at D = 128, its power laws extrapolated above (experiments/study.md). Zero-initialised
+# heads and the tied table want far more than the backbone's rate, LEV a tenth of it.
 LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)},
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
              "1.2b": {"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}}
-# The sizes' data folders: the command that makes each, and its tokenizer's ids (the model's
-# shape is checked against them before any data is read).
+# The sizes' data folders: the command that makes each, and its tokenizer's ids (to check the shape early).
 DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192), "data/pile": ("python prepare_data.py", 200_019)}
-
 
 def option(default, help):
     return field(default=default, metadata={"help": help})
-
 
 @dataclass
 class TrainConfig:
@@ -125,13 +111,11 @@ class TrainConfig:
     wandb_project: str = option("", "log to Weights & Biases (needs `pip install wandb`)")
     wandb_run_name: str = option("", "the run's name there")
 
-
 MODEL_FIELDS = [f.name for f in fields(Config) if f.name not in ("vocab_size", "embedding")]
 # On --resume these may change freely; every other field changes the loss curve and must match.
 RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval", "ckpt_interval",
                "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
                "wandb_project", "wandb_run_name"}
-
 
 def parse_args(argv):
     """--name=value options -> {field: value} for the fields given (--resume must know which)."""
@@ -146,29 +130,26 @@ def parse_args(argv):
                             help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
     return vars(parser.parse_args(argv))
 
-
 def check(c):
-    """Refuse the values that would fail late or quietly train something else, one line each
-    (the model's shape is leviathan.Config's to check: model_config)."""
+    """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
+    nonnegative, decays = ("warmup_steps", "weight_decay", "stop_step"), ("beta1", "beta2")
     for bad, message in [
             (c.size not in SIZES, f"--size={c.size}: must be one of {', '.join(SIZES)}"),
             (c.embedding not in EMBEDDINGS, f"--embedding={c.embedding}: must be one of {', '.join(EMBEDDINGS)}"),
             (c.device not in ("auto", "cpu", "cuda"), f"--device={c.device}: must be auto, cpu or cuda"),
             *((not 0 < getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be > 0") for k in positive),
-            *((not 0 <= getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be >= 0")
-              for k in ("warmup_steps", "weight_decay", "stop_step")),
+            *((not 0 <= getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be >= 0") for k in nonnegative),
             (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
             (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
-            *((not 0 <= getattr(c, k) < 1, f"--{k}={getattr(c, k)}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
+            *((not 0 <= getattr(c, k) < 1, f"--{k}={getattr(c, k)}: must be in [0, 1) (a decay)") for k in decays),
             (c.embedding == "tied" and c.lr_head != 1.0,
              "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
             (c.wandb_run_name and not c.wandb_project, "--wandb_run_name needs --wandb_project")]:
         if bad:
             raise UserError(message)
     return c
-
 
 def resolve(given, saved=None):
     """The full TrainConfig: the options given over the checkpoint's saved config when resuming,
@@ -183,91 +164,51 @@ def resolve(given, saved=None):
         except TypeError as e:  # a checkpoint from another version of train.py
             raise UserError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
-    lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown one is check's to refuse
+    lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check refuses it
     config = check(TrainConfig(**{**SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
                                   "out_dir": os.path.join("out", f"{size}-{arm}"), **given}))
-    default_data = DATA.get(os.path.normpath(config.data_dir).replace(os.sep, "/"))
-    if default_data:
-        model_config(config, default_data[1])  # the model's shape, before any data is read
+    if default_data(config.data_dir):
+        model_config(config, default_data(config.data_dir)[1])  # the model's shape, before any data is read
     return config
 
+def default_data(data_dir):  # a size's own data folder: its DATA entry (None for another folder)
+    return DATA.get(os.path.normpath(data_dir).replace(os.sep, "/"))
 
-def model_config(config, n_ids):
-    """The model's Config for a tokenizer of n_ids ids."""
+def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids ids
     try:
         return Config(vocab_size=padded_vocab(n_ids), embedding=config.embedding,
                       **{k: getattr(config, k) for k in MODEL_FIELDS})
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
-
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
-
-
-@dataclass
-class Run:
-    """Everything the loop needs. raw_model is the plain module (saved, counted, optimised);
-    model is the form that runs it: compiled, and wrapped in DDP across ranks."""
-    config: TrainConfig
-    model_config: Config
-    meta: dict  # the data folder's meta.json
-    counts: np.ndarray  # each token id's count in the train split: the frequency buckets
-    byte_lengths: np.ndarray  # UTF-8 bytes per id: bits per byte
-    train: "Windows"
-    val: list  # the fixed validation windows
-    ckpt: dict | None  # the checkpoint resumed from, until build() has restored it
-    lock: int | None  # rank 0: the run folder's locked descriptor (lock_run_folder)
-    device: torch.device
-    rank: int
-    world: int
-    accum: int  # micro-steps per optimizer step on each rank
-    max_steps: int
-    lev: bool  # whether batches carry LEV's distinct ids (to_batch)
-    step: int = 0  # optimizer steps done
-    raw_model: Model | None = None
-    model: torch.nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    autocast: object = nullcontext()
-    compiled: bool = False
-    wandb: object = None
-    saving: threading.Thread | None = None  # rank 0: the checkpoint write in flight
-    save_error: UserError | None = None  # what that write met
-
 
 def setup_device(config):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
-    if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP accepts it with NCCL only
+    if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP takes it with NCCL only
         raise UserError("--bf16_allreduce needs NCCL, which runs on CUDA GPUs only; leave it off here")
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in os.environ:
         raise UserError("started as one of several SLURM tasks without torchrun: every task would train "
                         "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
-    if config.deterministic:
-        # cuBLAS needs a fixed workspace to repeat its reductions (set before its first use); the
-        # flag then picks deterministic kernels everywhere, attention's backward included.
+    if config.deterministic:  # cuBLAS repeats its reductions only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
-    if kind == "cuda":
-        # TF32 stays off: under bf16 autocast the only float32 matmuls left are LEV's, whose product
-        # of 128 factors is why LEV runs in float32 at all.
+    if kind == "cuda":  # TF32 stays off: under autocast the only float32 matmuls left are LEV's, float32 on purpose
         torch.cuda.set_device(device)
     else:
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
-    if world > 1 and not dist.is_initialized():
-        # The timeout bounds every wait in a collective, including the other ranks' wait while rank 0
-        # writes a checkpoint (~15 GB at 1.2b): NCCL's default 10 minutes is short for a slow filesystem.
+    if world > 1 and not dist.is_initialized():  # 60 minutes: a slow filesystem may hold rank 0 long at a save
         dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60),
                                 device_id=device if kind == "cuda" else None)
     return device, rank, world
 
-
 def failed_rank(error):
     """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
-    missing on one node): every rank learns of it here, so all stop instead of waiting for the
-    failed one inside the next collective."""
+    missing on one node): all learn of it here, instead of waiting for it in the next collective."""
     if not dist.is_initialized():
         return 0 if error is not None else None  # every rank fails alike before the process group
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -275,29 +216,24 @@ def failed_rank(error):
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     return None if lowest.item() == dist.get_world_size() else int(lowest.item())
 
-
 def open_data(data_dir):
     """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = DATA.get(os.path.normpath(data_dir).replace(os.sep, "/"), [None])[0]
+        command = (default_data(data_dir) or [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
             f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
-    meta = load_meta(data_dir)
-    splits = {}
+    meta, splits = load_meta(data_dir), {}
     for split in ("train", "val"):
-        paths = shard_paths(data_dir, split)
-        if not paths:
+        if not (paths := shard_paths(data_dir, split)):
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
 
-
 class Windows:
-    """Training sequences: windows of seq_len + 1 tokens starting every seq_len tokens inside each
-    shard (each token is a target at most once per pass). Window p of the run comes from a seeded
-    shuffle per epoch at two levels, the shards then each shard's windows: little memory for
-    billions of tokens, and window p is the same whatever the world size, so the data position
-    is just the number of windows consumed."""
+    """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
+    is a target at most once per pass). Window p comes from a seeded shuffle per epoch, of the shards
+    then of each shard's windows: little memory for billions of tokens, and the same window p for any
+    world size, so the data position is the number of windows consumed."""
 
     def __init__(self, shards, seq_len, seed, vocab_size):
         self.shards, self.seq_len, self.seed, self.vocab_size = shards, seq_len, seed, vocab_size
@@ -319,18 +255,15 @@ class Windows:
         start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
         return checked_window(self.shards[self.shard_order[k]], start, self.seq_len, self.vocab_size)
 
-
 def val_windows(shards, seq_len, n, vocab_size):
     """The first n windows of the validation split, in order: the same tokens at every evaluation."""
     starts = [(s, i * seq_len) for s in shards for i in range((len(s) - 1) // seq_len)][:n]
     return [checked_window(s, start, seq_len, vocab_size) for s, start in starts]
 
-
 def checked_window(shard, start, seq_len, vocab_size):
-    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary. A shard's
-    header can be intact over damaged tokens, and such an id would crash a step (or, for LEV, whose
-    digits take any integer, quietly train on a padding row). Checking as windows are read costs a
-    pass over a few MB per step, where checking whole shards at start would read the corpus."""
+    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary: a header can
+    be intact over damaged tokens, and such an id would crash a step (or, for LEV, whose digits take
+    any integer, quietly train on a padding row). Checked as read: a few MB a step, not the corpus."""
     window = shard[start:start + seq_len + 1]
     if window.max() >= vocab_size:
         at = start + int(np.argmax(window >= vocab_size))
@@ -338,23 +271,9 @@ def checked_window(shard, start, seq_len, vocab_size):
                         f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
     return window
 
-
-def check_checkpoint(ckpt, model_cfg, meta, path):
-    here, there = asdict(model_cfg), ckpt["model_config"]
-    if there != here:
-        diff = [f"{k}={there.get(k)} there, {here.get(k)} here" for k in sorted(here.keys() | there.keys())
-                if there.get(k) != here.get(k)]
-        raise UserError(f"{path} holds a different model ({', '.join(diff)}): a dataset with another "
-                        "tokenizer or other model options; use the checkpoint's or another --out_dir")
-    if any(ckpt["data_meta"].get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
-        raise UserError(f"{path} was trained on data from another tokenizer ({ckpt['data_meta'].get('tokenizer')}, "
-                        f"{ckpt['data_meta'].get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
-                        f"{meta.get('vocab_size')} ids)")
-
-
 def read_log(path):
-    """The records of a run's log.jsonl, in order ([] if it has none). A last line without its
-    newline (a run killed while writing it) is left out; any other damaged line is one error."""
+    """The records of a run's log.jsonl ([] if it has none). A last line without its newline (a run
+    killed while writing it) is left out; any other damaged line is one error."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -366,60 +285,63 @@ def read_log(path):
         except ValueError:
             record = None
         if not (isinstance(record, dict) and record.get("type") in ("train", "eval") and isinstance(record.get("step"), int)):
-            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line and run again")
+            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line "
+                            "and run again")
         records.append(record)
     return records
 
-
 def lock_run_folder(out_dir):
-    """One train.py at a time per run folder: an exclusive lock on the folder itself (nothing is
-    written), held by rank 0 until the run ends; the kernel drops it when a process dies, so a
-    crashed run leaves none behind. Returns the locked descriptor (None where the filesystem has
-    no locks, as some cluster filesystems do: the folder then goes unlocked)."""
+    """One train.py at a time per run folder: rank 0 holds an exclusive lock on the folder until the
+    run ends, and the kernel drops it when a process dies. Returns the locked descriptor, or None
+    where the filesystem has no locks (some cluster filesystems): the folder then goes unlocked."""
     if fcntl is None:
         return None
     folder = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        return folder
+    except OSError as e:
         os.close(folder)
-        raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
-                        "another --out_dir") from None
-    except OSError:
-        os.close(folder)
+        if isinstance(e, BlockingIOError):
+            raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
+                            "another --out_dir") from None
         return None
-    return folder
-
 
 def open_run(argv):
     """Every check that can refuse the run, in order, before anything is written; then the Run."""
     given = parse_args(argv)
     config = resolve(given)  # also fixes the default out_dir
-    path = os.path.join(config.out_dir, "ckpt.pt")
-    loading = config.resume or config.eval_only
+    path, loading = os.path.join(config.out_dir, "ckpt.pt"), config.resume or config.eval_only
     if loading and not os.path.exists(path):
         raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; train first (without "
                         f"--{'resume' if config.resume else 'eval_only'}), or pass the run's --out_dir")
     if not loading and os.path.exists(path):
         raise UserError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
     device, rank, world = setup_device(config)
-    ckpt = load_checkpoint(path, ("model", "optimizer", "model_config", "train_config", "data_meta",
-                                  "step")) if loading else None
+    keys = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
+    ckpt = load_checkpoint(path, keys) if loading else None
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
     model_cfg = model_config(config, meta["vocab_size"])
-    if ckpt is not None:
-        check_checkpoint(ckpt, model_cfg, meta, path)
+    if ckpt is not None:  # it must fit this model and this tokenizer
+        there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
+        if there != here:
+            diff = ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v)
+            raise UserError(f"{path} holds a different model ({diff}): a dataset with another tokenizer or other "
+                            "model options; use the checkpoint's or another --out_dir")
+        if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
+            raise UserError(f"{path} was trained on data from another tokenizer ({old.get('tokenizer')}, "
+                            f"{old.get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                            f"{meta.get('vocab_size')} ids)")
     if config.resume:  # the log it continues: damaged, refused before anything is written
-        read_log(os.path.join(os.path.dirname(path), "log.jsonl"))
+        read_log(os.path.join(config.out_dir, "log.jsonl"))
     per_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_step:
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
                         f"{config.micro_batch} x seq_len {config.seq_len} = {per_step:,}; use a multiple of it")
     if config.total_tokens < config.batch_tokens:
-        raise UserError(f"total_tokens={config.total_tokens:,} is less than one step of "
-                        f"batch_tokens={config.batch_tokens:,}")
+        raise UserError(f"total_tokens={config.total_tokens:,} is less than one step of {config.batch_tokens:,}")
     train = Windows(splits["train"], config.seq_len, config.seed, meta["vocab_size"])
     val = val_windows(splits["val"], config.seq_len, max(1, config.eval_tokens // config.seq_len), meta["vocab_size"])
     if train.total == 0 or not val:
@@ -436,11 +358,14 @@ def open_run(argv):
         except OSError as e:
             raise UserError(f"--out_dir={config.out_dir}: cannot create it ({e.strerror})") from None
         lock = lock_run_folder(config.out_dir)
-    return Run(config=config, model_config=model_cfg, meta=meta, counts=counts, lock=lock,
-               byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), train=train, val=val, ckpt=ckpt,
-               device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
-               max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev")
-
+    # What the loop needs. counts: each id's count in the train split (the frequency buckets);
+    # byte_lengths: UTF-8 bytes per id (bits per byte); accum: micro-steps per step on each rank;
+    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met.
+    return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
+                           byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt, lock=lock,
+                           device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
+                           max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev",
+                           wandb=None, saving=None, save_error=None)
 
 DDP = torch.nn.parallel.DistributedDataParallel
 # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
@@ -448,34 +373,29 @@ DDP = torch.nn.parallel.DistributedDataParallel
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                   else {"broadcast_buffers": False})
 
-
 def build(run):
-    """The model and optimizer, restored from the checkpoint when resuming, then compiled and wrapped."""
+    """The model and optimizer, restored from the checkpoint when resuming, then compiled and wrapped:
+    raw_model is the plain module (saved, counted, optimised), model the form that runs it."""
     config, cuda = run.config, run.device.type == "cuda"
     torch.manual_seed(config.seed)
     run.raw_model = Model(run.model_config).to(run.device)
     # AdamW: weight decay on the backbone and head matrices only, a learning rate per kind of parameter
     run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, (config.beta1, config.beta2),
                                                        fused=cuda, lr_input=config.lr_input, lr_head=config.lr_head)
-    if run.ckpt is not None:
-        # No RNG state is restored: after the init above, no step draws a random number.
+    if run.ckpt is not None:  # no RNG state to restore: after the init above, no step draws a random number
         run.raw_model.load_state_dict(run.ckpt["model"])
         run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
-        run.step = run.ckpt["step"]
-        run.ckpt = None  # nothing else is needed: let the full state dict go
+        run.step, run.ckpt = run.ckpt["step"], None  # let the full state dict go
     run.autocast = precision(run.device, config.bf16)
     run.compiled = config.compile if config.compile is not None else cuda
     if run.compiled:
         run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
     run.model = run.raw_model
-    if run.world > 1:
-        # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, no second copy
-        # (train_step keeps them so); the buckets are what the all-reduce sends.
+    if run.world > 1:  # gradient_as_bucket_view: the gradients are DDP's buckets, not a second copy
         run.model = DDP(run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True,
                         **NO_BUFFER_SYNC)
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_compress_hook)
-
 
 def keep_log_until(path, step):
     """A resumed run keeps its log up to the checkpoint (an interrupted one may have logged past it);
@@ -483,26 +403,9 @@ def keep_log_until(path, step):
     records = [r for r in read_log(path) if r["step"] <= step] if step else []
     atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
 
-
-def start_outputs(run):
-    """Rank 0: print the config, write config.json, trim the log to the checkpoint, start wandb."""
-    config, model_cfg = run.config, run.model_config
-    counts = run.raw_model.param_counts()
-    print(f"config: {json.dumps(asdict(config))}\nmodel: {json.dumps(asdict(model_cfg))}")
-    print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in counts.items())}; {run.world} x {run.device.type}, "
-          f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
-    if not config.eval_only:
-        write_json(os.path.join(config.out_dir, "config.json"), dict(train=asdict(config), model=asdict(model_cfg)))
-        keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
-    if config.wandb_project:
-        import wandb
-        run.wandb = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None, resume="allow",
-                               config=dict(train=asdict(config), model=asdict(model_cfg), params=counts))
-
-
 def set_up(argv):
-    """The Run, built and with its outputs started; or None when set-up failed on any rank, after
-    one error line for the whole job (from the lowest rank that failed)."""
+    """The run, built, its config printed and written, its log trimmed to the checkpoint; or None
+    when set-up failed on any rank, after one error line for the job (the lowest failed rank's)."""
     run, error = None, None
     try:
         run = open_run(argv)
@@ -514,19 +417,27 @@ def set_up(argv):
             print_error(error)
         return None
     build(run)
+    config, params = run.config, run.raw_model.param_counts()
+    outputs = dict(train=asdict(config), model=asdict(run.model_config))
     if run.rank == 0:
-        start_outputs(run)
+        print(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
+        print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
+              f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
+        if not config.eval_only:
+            write_json(os.path.join(config.out_dir, "config.json"), outputs)
+            keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
+        if config.wandb_project:
+            import wandb
+            run.wandb = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None, resume="allow",
+                                   config=dict(outputs, params=params))
     return run
 
-
 # ---------------------------------------------------------------------------- one step, and its log line
-
 
 # SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
 # time limit. Both are a preemption: save and exit, with no evaluation in between.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOP = {"signal": None}
-
 
 def on_signal(signum, frame):
     # Only note it: the step in flight finishes and is checkpointed by main(). A second Ctrl-C
@@ -538,8 +449,8 @@ def on_signal(signum, frame):
         return
     STOP["signal"] = signum
     # os.write, not print: a signal that lands during a print would make print re-enter itself
-    os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n".encode())
-
+    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
+    os.write(sys.stdout.fileno(), note.encode())
 
 def lr_at(step, config, max_steps):
     """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
@@ -548,7 +459,6 @@ def lr_at(step, config, max_steps):
     progress = (step - config.warmup_steps) / max(1, max_steps - config.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
-
 
 def to_batch(windows, device, lev):
     """(inputs, targets, distinct) on the device; for LEV, distinct is the inputs' distinct_ids,
@@ -561,15 +471,14 @@ def to_batch(windows, device, lev):
         parts = [piece.view(part.shape) for piece, part in zip(flat.split([part.numel() for part in parts]), parts)]
     return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
 
-
 def train_step(run):
     """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
     (r * accum + m) of the step's windows, so the batch is the same for any world size."""
     micro_batch, step_windows = run.config.micro_batch, run.config.batch_tokens // run.config.seq_len
     for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
         group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
-    # Every rank reads the whole step's windows (each is checked as it is read), so that a damaged
-    # one stops all ranks alike, with one error line, instead of one rank amid a collective.
+    # Every rank reads (and checks) the whole step's windows, so that a damaged one stops all ranks
+    # alike, with one error line, instead of one rank amid a collective.
     windows = [run.train[p] for p in range(run.step * step_windows, (run.step + 1) * step_windows)]
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
@@ -590,25 +499,20 @@ def train_step(run):
         raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: stopped without updating; "
                         "the last good checkpoint is kept (try a lower --lr)")
     run.optimizer.step()
-    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay so, and
-    # every micro-step accumulates into the buckets. Set to None, the no_sync micro-steps would make
-    # fresh gradients beside the buckets (a second copy: 4.9 GB at 1.2b) for DDP to copy in at the end.
+    # Under DDP the gradients are views into its buckets: zeroed in place they stay so. Set to None,
+    # the no_sync micro-steps would make a second copy beside the buckets (4.9 GB at 1.2b).
     run.optimizer.zero_grad(set_to_none=run.world == 1)
     return loss, grad_norm, stop
 
-
-# Peak dense (not sparse) bf16 FLOP/s per GPU, from the vendors' data sheets, for MFU. A variant
-# comes before the plain name it contains.
+# Peak dense bf16 FLOP/s per GPU (vendors' data sheets), for MFU; a variant before the plain name.
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
               "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
-
 def peak_flops(device_name):
-    """The first PEAK_FLOPS entry whose words are all whole words of the device's name
-    ("NVIDIA A100-SXM4-80GB"), so that a GB200 is not taken for a B200; else None (no MFU)."""
+    """The first PEAK_FLOPS entry whose words are whole words of the name ("NVIDIA A100-SXM4-80GB"):
+    a GB200 is not a B200. None if there is none: no MFU rather than a wrong one."""
     words = set(re.split(r"[\s\-_]+", device_name.upper()))
     return next((flops for key, flops in PEAK_FLOPS.items() if set(key.upper().split()) <= words), None)
-
 
 def log_record(run, record):
     with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
@@ -616,11 +520,9 @@ def log_record(run, record):
     if run.wandb:
         run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
-
 def log_step(run, loss, grad_norm, seconds, steps_done):
     step, config, cuda = run.step, run.config, run.device.type == "cuda"
-    tokens_per_s = steps_done * config.batch_tokens / seconds
-    eta = (run.max_steps - step) * seconds / steps_done
+    tokens_per_s, eta = steps_done * config.batch_tokens / seconds, (run.max_steps - step) * seconds / steps_done
     record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
                   grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
     line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
@@ -629,8 +531,7 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
         record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
     if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
-        record["graphs"] = counters["stats"]["unique_graphs"]
-        record["graph_breaks"] = sum(counters["graph_break"].values())
+        record.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
     if cuda:  # reserved: what the allocator holds, the figure that must fit the GPU
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
         record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9
@@ -638,19 +539,15 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
     print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
     log_record(run, record)
 
-
 # ---------------------------------------------------------------------------- evaluation
 
-
 def bucket_sums(losses, target_counts, n_buckets):
-    """Per-token losses (nats) and each target's count in the training data -> summed nats and
-    tokens per bucket. Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j); n_buckets must
-    cover the largest count. Sums (not means) so that ranks can add theirs with one all_reduce."""
+    """Per-token losses (nats) and each target's training count -> summed nats and tokens per bucket.
+    Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j). Sums, so ranks add theirs."""
     edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
     bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
     nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
     return nats, np.bincount(bucket, minlength=n_buckets)
-
 
 def bucket_table(nats, tokens):
     """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
@@ -661,7 +558,6 @@ def bucket_table(nats, tokens):
         rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
                          ppl=math.exp(loss) if t else None))
     return rows
-
 
 @torch.no_grad()
 def evaluate(run):
@@ -690,7 +586,6 @@ def evaluate(run):
     return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
                 eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
 
-
 def report_eval(run, result):
     """Rank 0: print the result, write eval_step<N>.json and log it."""
     if run.rank != 0:
@@ -705,13 +600,10 @@ def report_eval(run, result):
     write_json(os.path.join(run.config.out_dir, f"eval_step{run.step}.json"), record)
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
 
-
 # ---------------------------------------------------------------------------- checkpoints
 #
-# ckpt.pt holds model, optimizer, model_config, train_config, data_meta, step and tokens_seen: all
-# a resume needs, on any number of GPUs (the data position is step * batch_tokens // seq_len; no
-# step draws a random number, so no RNG state). sample.py reads it too.
-
+# ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens
+# // seq_len windows, and no step draws a random number, so there is no RNG state. sample.py reads it.
 
 def cpu_copy(obj, copies):
     """obj (dicts and lists of tensors) with each tensor copied into CPU memory; a tensor met twice
@@ -723,7 +615,6 @@ def cpu_copy(obj, copies):
     if isinstance(obj, dict):
         return {k: cpu_copy(v, copies) for k, v in obj.items()}
     return [cpu_copy(v, copies) for v in obj] if isinstance(obj, list) else obj
-
 
 def checkpoint(run, wait=False):
     """Save the run at this step. Waiting for the write would cost a 1.2b run ~12% of its wall time
@@ -740,10 +631,9 @@ def checkpoint(run, wait=False):
     if wait:
         wait_for_save(run)
 
-
 def write_checkpoint(run, state):
-    """The writer thread: fsynced and renamed into place (atomic_write), so a failed write (a full
-    disk) keeps the previous checkpoint whole; its error waits for wait_for_save."""
+    """The writer thread. atomic_write: a failed write (a full disk) leaves the previous checkpoint
+    whole; its error waits for wait_for_save."""
     path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
     try:
         atomic_write(path, lambda f: torch.save(state, f))
@@ -753,7 +643,6 @@ def write_checkpoint(run, state):
         return
     print(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB written in "
           f"{time.time() - start:.1f} s (training went on meanwhile)", flush=True)
-
 
 def wait_for_save(run):
     """Rank 0 waits for the write in flight; then every rank learns whether it failed, and all stop alike."""
@@ -767,9 +656,8 @@ def wait_for_save(run):
         error, run.save_error = run.save_error or UserError("rank 0 could not write the checkpoint"), None
         raise error
 
-
 def shut_down(code):
-    """Leave the process group once every rank is done (rank 0's checkpoint written); the exit status passes through."""
+    """Leave the process group once every rank is done (rank 0's checkpoint written); returns code."""
     if dist.is_initialized():
         dist.barrier()
         if dist.get_backend() == "gloo":  # gloo's teardown can deadlock on the GIL (pytorch#56297): skip it
@@ -779,9 +667,7 @@ def shut_down(code):
         dist.destroy_process_group()
     return code
 
-
 # ---------------------------------------------------------------------------- main: set-up, the loop, shut-down
-
 
 def main(argv):
     run = set_up(argv)
@@ -831,7 +717,6 @@ def main(argv):
         if run.lock is not None:
             os.close(run.lock)  # the folder is free for the next run
     return shut_down(code)
-
 
 if __name__ == "__main__":
     # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line
