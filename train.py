@@ -11,8 +11,8 @@ the tiny size's; --size=NAME sets the fields SIZES[NAME] names; an option given 
 """
 import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time
 from contextlib import nullcontext
-from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field, fields
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -104,8 +104,7 @@ class TrainConfig:
     # hardware
     device: str = option("auto", "auto (cuda if there is a GPU) | cpu | cuda")
     compile: bool | None = option(None, "torch.compile; None: on for CUDA, off for CPU")
-    bf16: bool | None = option(None, "bf16 autocast of the backbone and the head's matmuls (LEV and the "
-                                     "softmax stay float32); None: on for CUDA, off for CPU")
+    bf16: bool | None = option(None, "bf16 autocast (LEV and the softmax stay float32); None: on for CUDA, off for CPU")
     bf16_allreduce: bool = option(False, "DDP on CUDA: all-reduce gradients in bf16, half the traffic (several nodes)")
     deterministic: bool = option(False, "deterministic kernels: bit-identical reruns and resumes (CUDA: slower)")
     wandb_project: str = option("", "log to Weights & Biases (needs `pip install wandb`)")
@@ -125,7 +124,7 @@ def parse_args(argv):
         kind = next(t for t in getattr(f.type, "__args__", [f.type]) if t is not type(None))
         how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
             type=parse_number(kind) if kind in (int, float) else str)
-        shown = f" (default: {f.default!r}{'; --size sets its own' if f.name in sized else ''})"
+        shown = f" (default: {f.default!r}{'; other sizes set their own' if f.name in sized else ''})"
         parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
                             help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
     return vars(parser.parse_args(argv))
@@ -207,8 +206,8 @@ def setup_device(config):
     return device, rank, world
 
 def failed_rank(error):
-    """The lowest rank whose set-up failed, or None. A set-up error can hit one rank only (a file
-    missing on one node): all learn of it here, instead of waiting for it in the next collective."""
+    """The lowest rank whose set-up failed (a file missing on one node), or None: all ranks learn of
+    it here instead of waiting for it in the next collective."""
     if not dist.is_initialized():
         return 0 if error is not None else None  # every rank fails alike before the process group
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -261,9 +260,8 @@ def val_windows(shards, seq_len, n, vocab_size):
     return [checked_window(s, start, seq_len, vocab_size) for s, start in starts]
 
 def checked_window(shard, start, seq_len, vocab_size):
-    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary: a header can
-    be intact over damaged tokens, and such an id would crash a step (or, for LEV, whose digits take
-    any integer, quietly train on a padding row). Checked as read: a few MB a step, not the corpus."""
+    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens
+    under an intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
     window = shard[start:start + seq_len + 1]
     if window.max() >= vocab_size:
         at = start + int(np.argmax(window >= vocab_size))
@@ -284,7 +282,8 @@ def read_log(path):
             record = json.loads(line)
         except ValueError:
             record = None
-        if not (isinstance(record, dict) and record.get("type") in ("train", "eval") and isinstance(record.get("step"), int)):
+        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
+                and isinstance(record.get("step"), int)):
             raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line "
                             "and run again")
         records.append(record)
@@ -440,9 +439,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOP = {"signal": None}
 
 def on_signal(signum, frame):
-    # Only note it: the step in flight finishes and is checkpointed by main(). A second Ctrl-C
-    # leaves at once (the last checkpoint stays); a later SIGTERM (torchrun passes one on after a
-    # Ctrl-C) is ignored so that the save can finish.
+    # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
+    # SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
     if STOP["signal"] is not None:
         if signum == signal.SIGINT == STOP["signal"]:
             raise SystemExit(128 + signum)
@@ -461,9 +459,8 @@ def lr_at(step, config, max_steps):
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
 
 def to_batch(windows, device, lev):
-    """(inputs, targets, distinct) on the device; for LEV, distinct is the inputs' distinct_ids,
-    made here on the CPU so that the step need not wait for the device to know their number. On a
-    GPU all three go in one pinned copy that the host does not wait for."""
+    """(inputs, targets, distinct) on the device; LEV's distinct_ids are made here, on the CPU, so the
+    step need not wait for the GPU to know their number. To a GPU all go in one pinned, async copy."""
     xy = torch.from_numpy(np.stack(windows).astype(np.int64))
     parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
     if device.type == "cuda":
@@ -550,8 +547,7 @@ def bucket_sums(losses, target_counts, n_buckets):
     return nats, np.bincount(bucket, minlength=n_buckets)
 
 def bucket_table(nats, tokens):
-    """The paper's frequency-stratified analysis: rows {counts, tokens, loss, ppl} per bucket of the
-    target's training count; loss and ppl are None for an empty bucket."""
+    """The paper's frequency-stratified table: {counts, tokens, loss, ppl} per bucket (None if empty)."""
     rows = []
     for j, (n, t) in enumerate(zip(nats, tokens)):
         loss = float(n / t) if t else None
