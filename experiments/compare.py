@@ -72,7 +72,9 @@ def evaluate_downstream(args, arm, tasks):
     """evaluate.py, in this process, on the tasks this arm has no result for yet."""
     run_dir = os.path.join(args.out_dir, arm)
     done = os.path.join(run_dir, evaluate.RESULTS_FILE)
-    missing = [t for t in tasks if t not in (evaluate.read_results(run_dir) if os.path.exists(done) else {})]
+    saved = evaluate.read_results(run_dir) if os.path.exists(done) else {}
+    # a task looked at with --limit is no full result: evaluate.py says so rather than mixing the two
+    missing = [t for t in tasks if t not in saved or saved[t].get("limit") is not None]
     if missing:
         options = [f"--out_dir={run_dir}", f"--tasks={','.join(missing)}", f"--device={'cuda' if args.gpus else 'cpu'}"]
         options += [f"--include_path={args.include_path}"] if args.include_path else []
@@ -158,6 +160,8 @@ def compare(argv):
     if tasks and evaluate.lm_eval is None:  # said before hours of training, not after
         raise UserError(f"downstream tasks need EleutherAI's lm-evaluation-harness: {evaluate.INSTALL} "
                         "(or pass --tasks= to skip them)")
+    if tasks:  # every task known, and --include_path's YAML parsing, before training too
+        evaluate.task_manager(tasks, args.include_path)
     os.makedirs(args.out_dir, exist_ok=True)
     for arm in ARMS:
         train(args, arm)

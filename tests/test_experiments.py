@@ -869,3 +869,39 @@ def test_study_sweep_starts_variants_through_lev_variants_and_a_part_waits_for_t
     capsys.readouterr()
     study.sweep(["lev-variants-seed2"], deadline=time.time() - 1, part=(1, 2))
     assert "not run: lev-variants-seed2 (the lev-variants runs it needs were not finished" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- work not wasted before an error
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("problem", ["unknown task", "YAML"])
+def test_compare_checks_every_task_before_training_an_arm(tmp_path, monkeypatch, capsys, problem):
+    """A misspelled task, or an --include_path YAML that does not parse (lm-eval would skip it and
+    call its task unknown), is one line before the first training step, not after three arms."""
+    task = write_choice_task(tmp_path / "tasks", [{"question": "?", "choices": ["a", "b"], "label": 0}])
+    if problem == "YAML":
+        (task / "local_choice.yaml").write_text("task: local_choice\ndoc_to_text: [unclosed\n")
+    tasks = "local_choice" if problem == "YAML" else "local_choice,local_choise"
+    monkeypatch.setattr(compare, "train", lambda *_: pytest.fail("trained before the tasks were checked"))
+    code = run_main(compare.compare, ["--size=tiny", f"--tasks={tasks}", f"--include_path={task}",
+                                      f"--out_dir={tmp_path / 'cmp'}"])
+    phrases = ["local_choice.yaml", "not valid YAML"] if problem == "YAML" else ["unknown task local_choise"]
+    assert_one_error_line(code, capsys.readouterr().err, *phrases)
+    assert not (tmp_path / "cmp").exists()
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("saved_limit, limit", [(None, "2"), (2, None)])
+def test_a_limited_and_a_full_evaluation_of_a_task_are_not_mixed(tmp_path, monkeypatch, capsys, saved_limit, limit):
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    task = write_choice_task(tmp_path / "tasks", [{"question": "?", "choices": ["a", "b"], "label": 0}])
+    results = tmp_path / "run" / evaluate.RESULTS_FILE
+    prep.write_json(str(results), {"local_choice": {"step": 42, "limit": saved_limit, "samples": 1,
+                                                    "metrics": {"acc": [1.0, 0.0]}}})
+    before = results.read_bytes()
+    monkeypatch.setattr(evaluate.lm_eval, "simple_evaluate", lambda **_: pytest.fail("evaluated"))
+    code = evaluate.main([f"--out_dir={run_dir}", "--tasks=local_choice", f"--include_path={task}",
+                          *([f"--limit={limit}"] if limit else [])])
+    assert_one_error_line(code, capsys.readouterr().err, "local_choice", "pass the same --limit")
+    assert results.read_bytes() == before
