@@ -486,6 +486,8 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
         if r["type"] == "eval":
             r["val_loss"] += 0.5
     (tied / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for run in (lev, tied):  # copies a user made by hand: not the run's files, so skipped
+        shutil.copy(run / "eval_step2.json", run / "eval_step2 (copy).json")
     study.table(str(tmp_path))
     out = capsys.readouterr().out
     ev = json.load(open(lev / "eval_step2.json"))
