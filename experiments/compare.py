@@ -11,13 +11,13 @@ is not trained again, one stopped is resumed (runs.py), and a task already evalu
 evaluated again, so the command can be repeated until the table is complete. The table goes to
 <out_dir>/table.md.
 """
-import os, sys
+import os, shlex, sys
 
 import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import ArgumentParser, UserError, parse_number, read_json, run_main
+from prepare_data import ArgumentParser, UserError, parse_number, read_json, run_main, write_json
 from train import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
@@ -154,6 +154,25 @@ def table(args, tasks):
     return "\n".join(lines) + "\n"
 
 
+def check_same_comparison(args):
+    """One comparison per folder: the first command's size and train.py options are kept in
+    compare.json, and a later command with others is refused rather than training its arms on, or
+    tabling them, as if they were one comparison."""
+    path = os.path.join(args.out_dir, "compare.json")
+    here = {"size": args.size, "train_options": args.train_options}
+    if not os.path.exists(path):
+        os.makedirs(args.out_dir, exist_ok=True)
+        write_json(path, here)
+        return
+    there = read_json(path, f"move it aside, or choose another --out_dir than {args.out_dir}")
+    if there != here:
+        def said(c):
+            return shlex.join([f"--size={c.get('size')}", *(["--", *c.get("train_options", [])]
+                                                             if c.get("train_options") else [])])
+        raise UserError(f"{args.out_dir} holds the comparison of `{said(there)}`, not `{said(here)}`: repeat that "
+                        "command to complete it, or choose another --out_dir")
+
+
 def compare(argv):
     args = parse_args(argv)
     tasks = [t for t in (args.tasks if args.tasks is not None else ",".join(evaluate.DEFAULT_TASKS)).split(",") if t]
@@ -162,7 +181,7 @@ def compare(argv):
                         "(or pass --tasks= to skip them)")
     if tasks:  # every task known, and --include_path's YAML parsing, before training too
         evaluate.task_manager(tasks, args.include_path)
-    os.makedirs(args.out_dir, exist_ok=True)
+    check_same_comparison(args)
     for arm in ARMS:
         train(args, arm)
     for arm in ARMS if tasks else ():

@@ -907,3 +907,23 @@ def test_a_limited_and_a_full_evaluation_of_a_task_are_not_mixed(tmp_path, monke
                           *([f"--limit={limit}"] if limit else [])])
     assert_one_error_line(code, capsys.readouterr().err, "local_choice", "pass the same --limit")
     assert results.read_bytes() == before
+
+
+def test_compare_again_with_other_train_options_is_refused(tmp_path, monkeypatch, capsys):
+    """A comparison folder holds one comparison: the same command continues it, another command's
+    train.py options are one line, before any arm is trained on."""
+    out = tmp_path / "cmp"
+    calls = []
+
+    def stop_at_first_arm(args, arm):
+        calls.append(args.train_options)
+        raise UserError("stopped")
+    monkeypatch.setattr(compare, "train", stop_at_first_arm)
+    first = ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--total_tokens=1024"]
+    assert run_main(compare.compare, first) == 1 and calls == [["--total_tokens=1024"]]
+    capsys.readouterr()
+    for other in (["--total_tokens=2048"], [], ["--total_tokens=1024", "--lr=1e-3"]):
+        code = run_main(compare.compare, [*first[:-1], *other])
+        assert_one_error_line(code, capsys.readouterr().err, "--size=tiny -- --total_tokens=1024", "another --out_dir")
+    assert len(calls) == 1
+    assert run_main(compare.compare, first) == 1 and len(calls) == 2  # the same command goes on
