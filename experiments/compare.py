@@ -11,13 +11,13 @@ is not trained again, one stopped is resumed (runs.py), and a task already evalu
 evaluated again, so the command can be repeated until the table is complete. The table goes to
 <out_dir>/table.md.
 """
-import os, sys
+import os, shlex, sys
 
 import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import ArgumentParser, UserError, parse_number, read_json, run_main
+from prepare_data import ArgumentParser, UserError, parse_number, read_json, run_main, write_json
 from train import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
@@ -72,7 +72,9 @@ def evaluate_downstream(args, arm, tasks):
     """evaluate.py, in this process, on the tasks this arm has no result for yet."""
     run_dir = os.path.join(args.out_dir, arm)
     done = os.path.join(run_dir, evaluate.RESULTS_FILE)
-    missing = [t for t in tasks if t not in (evaluate.read_results(run_dir) if os.path.exists(done) else {})]
+    saved = evaluate.read_results(run_dir) if os.path.exists(done) else {}
+    # a task looked at with --limit is no full result: evaluate.py says so rather than mixing the two
+    missing = [t for t in tasks if t not in saved or saved[t].get("limit") is not None]
     if missing:
         options = [f"--out_dir={run_dir}", f"--tasks={','.join(missing)}", f"--device={'cuda' if args.gpus else 'cpu'}"]
         options += [f"--include_path={args.include_path}"] if args.include_path else []
@@ -152,13 +154,34 @@ def table(args, tasks):
     return "\n".join(lines) + "\n"
 
 
+def check_same_comparison(args):
+    """One comparison per folder: the first command's size and train.py options are kept in
+    compare.json, and a later command with others is refused rather than training its arms on, or
+    tabling them, as if they were one comparison."""
+    path = os.path.join(args.out_dir, "compare.json")
+    here = {"size": args.size, "train_options": args.train_options}
+    if not os.path.exists(path):
+        os.makedirs(args.out_dir, exist_ok=True)
+        write_json(path, here)
+        return
+    there = read_json(path, f"move it aside, or choose another --out_dir than {args.out_dir}")
+    if there != here:
+        def said(c):
+            return shlex.join([f"--size={c.get('size')}", *(["--", *c.get("train_options", [])]
+                                                             if c.get("train_options") else [])])
+        raise UserError(f"{args.out_dir} holds the comparison of `{said(there)}`, not `{said(here)}`: repeat that "
+                        "command to complete it, or choose another --out_dir")
+
+
 def compare(argv):
     args = parse_args(argv)
     tasks = [t for t in (args.tasks if args.tasks is not None else ",".join(evaluate.DEFAULT_TASKS)).split(",") if t]
     if tasks and evaluate.lm_eval is None:  # said before hours of training, not after
         raise UserError(f"downstream tasks need EleutherAI's lm-evaluation-harness: {evaluate.INSTALL} "
                         "(or pass --tasks= to skip them)")
-    os.makedirs(args.out_dir, exist_ok=True)
+    if tasks:  # every task known, and --include_path's YAML parsing, before training too
+        evaluate.task_manager(tasks, args.include_path)
+    check_same_comparison(args)
     for arm in ARMS:
         train(args, arm)
     for arm in ARMS if tasks else ():

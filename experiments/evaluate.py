@@ -23,7 +23,7 @@ How our model answers lm-eval (the LeviathanLM adapter below):
 - Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
   softmax: the tokenizer cannot produce them, so they must not take probability mass.
 """
-import os, sys
+import glob, os, sys
 
 import torch
 
@@ -226,28 +226,64 @@ def parse_args(argv):
     return args
 
 
+def check_yaml(include_path):
+    """Every YAML file under include_path parses: lm-eval skips one that does not with a log line,
+    and its task would then be reported unknown. Tags (lm-eval's !function) are not resolved here."""
+    import yaml  # lm-eval's own dependency
+    loader = type("Loader", (yaml.SafeLoader,), {})
+    loader.add_multi_constructor("!", lambda *_: None)
+    for path in sorted(glob.glob(os.path.join(include_path, "**", "*.y*ml"), recursive=True)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                yaml.load(f, loader)
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise UserError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); fix it or remove it "
+                            "from --include_path") from None
+
+
+def task_manager(tasks, include_path):
+    """lm-eval's TaskManager, once every task is known to it: checked before a model is loaded or
+    trained (compare.py), not after."""
+    if include_path:
+        if not os.path.isdir(include_path):
+            raise UserError(f"--include_path {include_path} is not a folder")
+        check_yaml(include_path)
+    manager = TaskManager(include_path=include_path)  # indexes every task: the slow part of start-up
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown or not tasks:
+        raise UserError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
+                        f"{len(manager.all_tasks)} (lm-eval ls tasks lists them); "
+                        "your own YAML tasks need --include_path")
+    return manager
+
+
+def check_limit(saved, tasks, limit, path):
+    """A task's saved result and a new one must cover the same examples: a --limit look over a full
+    evaluation (or the reverse) would replace one with the other unseen."""
+    for task in tasks:
+        if task in saved and saved[task].get("limit") != limit:
+            def examples(n):
+                return "every example" if n is None else f"--limit={n}"
+            raise UserError(f"{path} holds {task} evaluated on {examples(saved[task].get('limit'))}, this run "
+                            f"asks for {examples(limit)}: pass the same --limit, or move the file aside")
+
+
 def evaluate(args):
     if lm_eval is None:
         raise UserError(f"experiments.evaluate needs EleutherAI's lm-evaluation-harness: {INSTALL}")
     check_device(args.device)
-    if args.include_path and not os.path.isdir(args.include_path):
-        raise UserError(f"--include_path {args.include_path} is not a folder")
     # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs; the
     # file is read (and checked) now, not after an hour of evaluation.
     path = os.path.join(args.out_dir, RESULTS_FILE)
     saved = read_results(args.out_dir) if os.path.exists(path) else {}
-    model, tokenizer, step = load_model(args.out_dir, args.device)
-    task_manager = TaskManager(include_path=args.include_path)  # indexes every task: the slow part of start-up
     tasks = [t for t in args.tasks.split(",") if t]
-    unknown = [t for t in tasks if t not in task_manager.all_tasks]
-    if unknown or not tasks:
-        raise UserError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
-                        f"{len(task_manager.all_tasks)} (lm-eval ls tasks lists them); "
-                        "your own YAML tasks need --include_path")
+    check_limit(saved, tasks, args.limit, path)
+    model, tokenizer, step = load_model(args.out_dir, args.device)
+    manager = task_manager(tasks, args.include_path)
     model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
     adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
     try:
-        output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=task_manager,
+        output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=manager,
                                          limit=args.limit, log_samples=False)
     except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
         raise UserError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "

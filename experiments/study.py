@@ -41,6 +41,7 @@ so the third part runs in one go:
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -228,10 +229,12 @@ def run_label(config):
 
 def final_eval(out_dir):
     """The eval_step{N}.json of the run's last evaluation, or None before the first."""
-    paths = glob.glob(os.path.join(out_dir, "eval_step*.json"))
-    if not paths:
+    # train.py's own files only: a copy a user made beside them ("eval_step4 (copy).json") is not one
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    steps = [int(m[1]) for name in names if (m := re.fullmatch(r"eval_step(\d+)\.json", name))]
+    if not steps:
         return None
-    path = max(paths, key=lambda p: int(p.rsplit("step", 1)[1][:-5]))
+    path = os.path.join(out_dir, f"eval_step{max(steps)}.json")
     return read_json(path, f"delete it and evaluate again: python train.py --eval_only --out_dir={out_dir}")
 
 

@@ -486,6 +486,8 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
         if r["type"] == "eval":
             r["val_loss"] += 0.5
     (tied / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for run in (lev, tied):  # copies a user made by hand: not the run's files, so skipped
+        shutil.copy(run / "eval_step2.json", run / "eval_step2 (copy).json")
     study.table(str(tmp_path))
     out = capsys.readouterr().out
     ev = json.load(open(lev / "eval_step2.json"))
@@ -869,3 +871,59 @@ def test_study_sweep_starts_variants_through_lev_variants_and_a_part_waits_for_t
     capsys.readouterr()
     study.sweep(["lev-variants-seed2"], deadline=time.time() - 1, part=(1, 2))
     assert "not run: lev-variants-seed2 (the lev-variants runs it needs were not finished" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- work not wasted before an error
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("problem", ["unknown task", "YAML"])
+def test_compare_checks_every_task_before_training_an_arm(tmp_path, monkeypatch, capsys, problem):
+    """A misspelled task, or an --include_path YAML that does not parse (lm-eval would skip it and
+    call its task unknown), is one line before the first training step, not after three arms."""
+    task = write_choice_task(tmp_path / "tasks", [{"question": "?", "choices": ["a", "b"], "label": 0}])
+    if problem == "YAML":
+        (task / "local_choice.yaml").write_text("task: local_choice\ndoc_to_text: [unclosed\n")
+    tasks = "local_choice" if problem == "YAML" else "local_choice,local_choise"
+    monkeypatch.setattr(compare, "train", lambda *_: pytest.fail("trained before the tasks were checked"))
+    code = run_main(compare.compare, ["--size=tiny", f"--tasks={tasks}", f"--include_path={task}",
+                                      f"--out_dir={tmp_path / 'cmp'}"])
+    phrases = ["local_choice.yaml", "not valid YAML"] if problem == "YAML" else ["unknown task local_choise"]
+    assert_one_error_line(code, capsys.readouterr().err, *phrases)
+    assert not (tmp_path / "cmp").exists()
+
+
+@needs_lm_eval
+@pytest.mark.parametrize("saved_limit, limit", [(None, "2"), (2, None)])
+def test_a_limited_and_a_full_evaluation_of_a_task_are_not_mixed(tmp_path, monkeypatch, capsys, saved_limit, limit):
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    task = write_choice_task(tmp_path / "tasks", [{"question": "?", "choices": ["a", "b"], "label": 0}])
+    results = tmp_path / "run" / evaluate.RESULTS_FILE
+    prep.write_json(str(results), {"local_choice": {"step": 42, "limit": saved_limit, "samples": 1,
+                                                    "metrics": {"acc": [1.0, 0.0]}}})
+    before = results.read_bytes()
+    monkeypatch.setattr(evaluate.lm_eval, "simple_evaluate", lambda **_: pytest.fail("evaluated"))
+    code = evaluate.main([f"--out_dir={run_dir}", "--tasks=local_choice", f"--include_path={task}",
+                          *([f"--limit={limit}"] if limit else [])])
+    assert_one_error_line(code, capsys.readouterr().err, "local_choice", "pass the same --limit")
+    assert results.read_bytes() == before
+
+
+def test_compare_again_with_other_train_options_is_refused(tmp_path, monkeypatch, capsys):
+    """A comparison folder holds one comparison: the same command continues it, another command's
+    train.py options are one line, before any arm is trained on."""
+    out = tmp_path / "cmp"
+    calls = []
+
+    def stop_at_first_arm(args, arm):
+        calls.append(args.train_options)
+        raise UserError("stopped")
+    monkeypatch.setattr(compare, "train", stop_at_first_arm)
+    first = ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--total_tokens=1024"]
+    assert run_main(compare.compare, first) == 1 and calls == [["--total_tokens=1024"]]
+    capsys.readouterr()
+    for other in (["--total_tokens=2048"], [], ["--total_tokens=1024", "--lr=1e-3"]):
+        code = run_main(compare.compare, [*first[:-1], *other])
+        assert_one_error_line(code, capsys.readouterr().err, "--size=tiny -- --total_tokens=1024", "another --out_dir")
+    assert len(calls) == 1
+    assert run_main(compare.compare, first) == 1 and len(calls) == 2  # the same command goes on
