@@ -10,6 +10,13 @@ Every field of TrainConfig is an option, --name=value (a bare --flag means true)
 the tiny size's; --size=NAME sets the fields SIZES[NAME] names; an option given beats both.
 """
 import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time
+
+def interrupted_while_importing(signum, frame):
+    print("\ninterrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, as run_main makes it later
+    signal.signal(signal.SIGINT, interrupted_while_importing)
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from types import SimpleNamespace
@@ -129,12 +136,20 @@ def parse_args(argv):
                             help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
     return vars(parser.parse_args(argv))
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
     nonnegative, decays = ("warmup_steps", "weight_decay", "stop_step"), ("beta1", "beta2")
+    floats = [(f.name, getattr(c, f.name)) for f in fields(c) if isinstance(getattr(c, f.name), float)]
     for bad, message in [
+            # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
+            *((not abs(v) <= FLOAT32_MAX, f"--{k}={v}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
+              for k, v in floats),
+            (not c.lr * max(c.lr_input or 1, c.lr_head or 1, 1) <= FLOAT32_MAX,
+             f"--lr={c.lr} times --lr_input or --lr_head is beyond float32 ({FLOAT32_MAX:.3g})"),
             (c.size not in SIZES, f"--size={c.size}: must be one of {', '.join(SIZES)}"),
             (c.embedding not in EMBEDDINGS, f"--embedding={c.embedding}: must be one of {', '.join(EMBEDDINGS)}"),
             (c.device not in ("auto", "cpu", "cuda"), f"--device={c.device}: must be auto, cpu or cuda"),
@@ -180,10 +195,66 @@ def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
+# ---------------------------------------------------------------------------- stop signals and output
+
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
+# time limit; SIGHUP: the terminal closed. Each is a preemption: save and exit, with no evaluation
+# in between. A reader of stdout that went away (`train.py | head`) stops the run the same way (show).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+                     if hasattr(signal, name))  # Windows has no SIGUSR1 or SIGHUP
+STOP = {"signal": None}
+
+def on_signal(signum, frame):
+    # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
+    # SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
+    if STOP["signal"] is not None:
+        if signum == signal.SIGINT == STOP["signal"]:
+            raise SystemExit(128 + signum)
+        return
+    STOP["signal"] = signum
+    # os.write, not print: a signal that lands during a print would make print re-enter itself
+    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
+    try:
+        os.write(sys.stdout.fileno(), note.encode())
+    except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
+        pass
+
+def show(text):
+    """print for the run's output. A reader that went away (`train.py | head`) stops the run as a
+    signal does, saved first; the rest of the output goes nowhere."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        STOP["signal"] = STOP["signal"] or signal.SIGPIPE
+
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 
+def launch_env():
+    """(rank, world size, local rank) as torchrun sets them; one process without it. The same
+    variables left over in a shell, or set by a scheduler without torchrun, are refused here rather
+    than failing inside the process group."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    given = {k: os.environ[k] for k in names if k in os.environ}
+    try:
+        rank, world, local = (int(given.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    except ValueError:
+        rank, world, local = -1, 0, 0
+    if not (0 <= rank < world and 0 <= local < world) or (world > 1 and {"MASTER_ADDR", "MASTER_PORT"} - set(given)):
+        shown = " ".join(f"{k}={v}" for k, v in given.items())
+        raise UserError(f"{shown} without torchrun's full set (RANK < WORLD_SIZE, MASTER_ADDR, MASTER_PORT): "
+                        "unset them to train in one process, or launch with torchrun (README)")
+    return rank, world, local
+
+def own_rank():
+    """This process's rank before the process group exists (0 where launch_env refuses the variables)."""
+    try:
+        return launch_env()[0]
+    except UserError:
+        return 0
+
 def setup_device(config):
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    rank, world, local = launch_env()
     kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
@@ -195,7 +266,7 @@ def setup_device(config):
     if config.deterministic:  # cuBLAS repeats its reductions only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
+    device = torch.device(kind, local if kind == "cuda" else None)
     if kind == "cuda":  # TF32 stays off: under autocast the only float32 matmuls left are LEV's, float32 on purpose
         torch.cuda.set_device(device)
     else:
@@ -289,6 +360,12 @@ def read_log(path):
         records.append(record)
     return records
 
+def run_files(out_dir):
+    """The files a train.py run writes that are in out_dir (sorted)."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(n for n in names
+                  if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
+
 def lock_run_folder(out_dir):
     """One train.py at a time per run folder: rank 0 holds an exclusive lock on the folder until the
     run ends, and the kernel drops it when a process dies. Returns the locked descriptor, or None
@@ -314,8 +391,9 @@ def open_run(argv):
     if loading and not os.path.exists(path):
         raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; train first (without "
                         f"--{'resume' if config.resume else 'eval_only'}), or pass the run's --out_dir")
-    if not loading and os.path.exists(path):
-        raise UserError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+    if not loading and (written := run_files(config.out_dir)):  # a new run would start over them
+        raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume to continue it "
+                        "(from its ckpt.pt), or choose another --out_dir")
     device, rank, world = setup_device(config)
     keys = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
     ckpt = load_checkpoint(path, keys) if loading else None
@@ -412,15 +490,15 @@ def set_up(argv):
         error = e
     lowest = failed_rank(error)
     if lowest is not None:
-        if int(os.environ.get("RANK", 0)) == lowest:
+        if (dist.get_rank() if dist.is_initialized() else own_rank()) == lowest:
             print_error(error)
         return None
     build(run)
     config, params = run.config, run.raw_model.param_counts()
     outputs = dict(train=asdict(config), model=asdict(run.model_config))
     if run.rank == 0:
-        print(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
-        print(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
+        show(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
+        show(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
               f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
         if not config.eval_only:
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
@@ -432,23 +510,6 @@ def set_up(argv):
     return run
 
 # ---------------------------------------------------------------------------- one step, and its log line
-
-# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
-# time limit. Both are a preemption: save and exit, with no evaluation in between.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-STOP = {"signal": None}
-
-def on_signal(signum, frame):
-    # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
-    # SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
-    if STOP["signal"] is not None:
-        if signum == signal.SIGINT == STOP["signal"]:
-            raise SystemExit(128 + signum)
-        return
-    STOP["signal"] = signum
-    # os.write, not print: a signal that lands during a print would make print re-enter itself
-    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
-    os.write(sys.stdout.fileno(), note.encode())
 
 def lr_at(step, config, max_steps):
     """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
@@ -533,7 +594,7 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
         record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9
         line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
-    print(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}", flush=True)
+    show(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
     log_record(run, record)
 
 # ---------------------------------------------------------------------------- evaluation
@@ -586,12 +647,12 @@ def report_eval(run, result):
     """Rank 0: print the result, write eval_step<N>.json and log it."""
     if run.rank != 0:
         return
-    print(f"eval step {run.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
+    show(f"eval step {run.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
           f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
-    print(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
+    show(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
     for row in result["buckets"]:
         if row["tokens"]:
-            print(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
+            show(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
     record = dict(step=run.step, tokens_seen=run.step * run.config.batch_tokens, **result)
     write_json(os.path.join(run.config.out_dir, f"eval_step{run.step}.json"), record)
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
@@ -637,8 +698,8 @@ def write_checkpoint(run, state):
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         run.save_error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
         return
-    print(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB written in "
-          f"{time.time() - start:.1f} s (training went on meanwhile)", flush=True)
+    show(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB written in "
+          f"{time.time() - start:.1f} s (training went on meanwhile)")
 
 def wait_for_save(run):
     """Rank 0 waits for the write in flight; then every rank learns whether it failed, and all stop alike."""
@@ -674,7 +735,7 @@ def main(argv):
         if config.eval_only:
             report_eval(run, evaluate(run))
         elif run.step >= run.max_steps:
-            print(f"the run is complete ({run.step} steps); nothing to do")
+            show(f"the run is complete ({run.step} steps); nothing to do")
         else:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, on_signal)
@@ -695,13 +756,13 @@ def main(argv):
                 if stop:
                     why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
                     if run.rank == 0:
-                        print(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
+                        show(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
                               "command plus --resume")
                     code = 128 + STOP["signal"] if STOP["signal"] else 0
                     break
             else:
                 if run.rank == 0:
-                    print(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
+                    show(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
                           f"checkpoint {config.out_dir}/ckpt.pt")
     except UserError as e:  # raised on every rank alike: the loss and the checkpoint's outcome are shared
         if run.rank == 0:
@@ -716,4 +777,5 @@ def main(argv):
 
 if __name__ == "__main__":
     # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(run_main(main, sys.argv[1:]))

@@ -14,7 +14,7 @@ import sys
 import time
 
 from prepare_data import UserError, read_json
-from train import read_log
+from train import read_log, run_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
@@ -100,5 +100,8 @@ def train(run_dir, options, processes=1, output=None, deadline=None, note=""):
     options = [*options, f"--out_dir={run_dir}"]
     if os.path.exists(os.path.join(run_dir, "ckpt.pt")):
         options.append("--resume")
+    else:  # stopped before its first checkpoint: nothing to resume, and train.py refuses to start over its files
+        for name in run_files(run_dir):
+            os.remove(os.path.join(run_dir, name))
     print(f"{time.strftime('%H:%M')} {shown(command(options, processes))}{note}", flush=True)
     return wait(start(options, processes, output), deadline)

@@ -927,3 +927,16 @@ def test_compare_again_with_other_train_options_is_refused(tmp_path, monkeypatch
         assert_one_error_line(code, capsys.readouterr().err, "--size=tiny -- --total_tokens=1024", "another --out_dir")
     assert len(calls) == 1
     assert run_main(compare.compare, first) == 1 and len(calls) == 2  # the same command goes on
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_afresh(train_data, tmp_path, capsys):
+    """runs.train over a folder with train.py's files but no ckpt.pt (killed before its first save):
+    nothing can be resumed, so they are replaced (train.py alone refuses to start over them)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("config.json", "log.jsonl", "eval_step1.json"):
+        (out / name).write_text("{}\n")
+    (out / "notes.txt").write_text("mine")
+    options = [f"--data_dir={train_data}", *TRAIN_ARGS, "--total_tokens=1024", "--eval_interval=2"]
+    assert runs.train(str(out), options, output=str(tmp_path / "output.txt")) == (0, False)
+    assert runs.finished(out) and not (out / "eval_step1.json").exists() and (out / "notes.txt").read_text() == "mine"

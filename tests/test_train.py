@@ -321,7 +321,8 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     assert not os.path.exists(out / "ckpt.pt.tmp")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: SLURM's --signal
+# SIGUSR1: SLURM's --signal; SIGHUP: the terminal closed
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP])
 def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run, signum):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
@@ -594,7 +595,7 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, cap
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
     other = prepare_corpus(tmp_path, "other", 700)  # another tokenizer: 700 ids, padded to 768
     for data_dir, run, args, phrases in [
-            (train_data, out, [], ["exists", "--resume"]),
+            (train_data, out, [], ["holds another run's ckpt.pt, config.json", "--resume"]),
             (train_data, out, ["--resume", "--d_model=64"], ["different config", "d_model=32 there, 64 here"]),
             (other, out, ["--resume"], ["vocab_size=512 there, 768 here"]),
             (train_data, tmp_path / "none", ["--resume"], ["no checkpoint"])]:
@@ -626,3 +627,70 @@ def test_every_torchrun_option_in_the_readme_exists_in_this_torch():
     needed = {o for o in options if tuple(int(part) for part in since.get(o, "2.4").split(".")) <= this}
     assert len(launches) >= 3 and "--nproc_per_node" in needed
     assert needed <= known, needed - known
+
+
+def test_a_reader_that_goes_away_stops_the_run_saved_first(train_data, tmp_path, reference_run):
+    """`train.py | head`: the closed pipe stops the run as a signal does (status 128 + SIGPIPE), with
+    a checkpoint of its last step, from which --resume repeats the uninterrupted run."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()  # the config line, then the reader is gone
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, stderr
+    assert "Traceback" not in stderr
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 1 <= step < STEPS and max(logged_losses(out)) == step
+    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert logged_losses(out) == reference_run
+
+
+def test_ctrl_c_while_torch_is_imported_is_one_line():
+    """SIGINT during train.py's imports (seconds of torch loading): one line and status 130."""
+    proc = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=HERE, env=SCRIPT_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps, deadline = f"/proc/{proc.pid}/maps", time.time() + 60
+    if not os.path.exists(maps):
+        proc.kill()
+        pytest.skip("needs /proc to see torch loading")
+    while time.time() < deadline and proc.poll() is None and "libtorch" not in open(maps).read():
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert (proc.returncode, stderr.strip()) == (130, "interrupted"), stdout[-300:] + stderr
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"WORLD_SIZE": "4"}, {"RANK": "0", "WORLD_SIZE": "2"},
+                                 {"RANK": "one"}, {"LOCAL_RANK": "3"}])
+def test_launcher_variables_without_torchrun_are_one_line(train_data, tmp_path, monkeypatch, capsys, env):
+    """RANK or WORLD_SIZE left over in a shell (or set by a scheduler) without torchrun's rendezvous."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = train.main([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS])
+    assert_one_error_line(code, capsys.readouterr().err, *env, "torchrun")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args", [["--lr=1e39"], ["--rope_theta=inf"], ["--rope_theta=1e39"], ["--weight_decay=nan"],
+                                  ["--lr=1e30", "--lr_head=1e10"], ["--lev_sigmoid_scale=1e300"]])
+def test_numbers_beyond_float32_are_one_line(train_data, tmp_path, capsys, args):
+    """Every float option is used in float32: one beyond its range would be inf there."""
+    code = train.main([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS, *args])
+    assert_one_error_line(code, capsys.readouterr().err, args[-1].split("=")[0], "float32")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_new_run_never_starts_over_another_runs_files(train_data, tmp_path, capsys):
+    """The rule that protects ckpt.pt protects every file a run writes: a folder holding a log, a
+    config or an evaluation of another run (no checkpoint) is refused, and left as it was."""
+    for name in ("log.jsonl", "config.json", "eval_step4.json"):
+        out = tmp_path / name
+        out.mkdir()
+        (out / name).write_text("{}\n")
+        code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS])
+        assert_one_error_line(code, capsys.readouterr().err, f"holds another run's {name}", "another --out_dir")
+        assert os.listdir(out) == [name] and (out / name).read_text() == "{}\n"
