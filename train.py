@@ -9,7 +9,7 @@
 Every field of TrainConfig is an option, --name=value (a bare --flag means true). Its defaults are
 the tiny size's; --size=NAME sets the fields SIZES[NAME] names; an option given beats both.
 """
-import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time
+import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time, zlib
 
 def interrupted_while_importing(signum, frame):
     print("\ninterrupted", file=sys.stderr)
@@ -297,7 +297,28 @@ def open_data(data_dir):
         if not (paths := shard_paths(data_dir, split)):
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
+        listed = meta.get("splits", {}).get(split, {})  # what prepare_data.py wrote, where meta.json says
+        if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), sum(map(len, splits[split]))):
+            raise UserError(f"{data_dir} has {len(paths)} {split} shards of {sum(map(len, splits[split])):,} tokens, "
+                            f"meta.json lists {listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or "
+                            "added by hand; prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
+
+def data_fingerprint(splits):
+    """{split: {shard: [tokens, checksum of its first 4,096]}}: the data a run trains on, kept in its
+    checkpoint, so that a resume on data prepared again (or a shard lost) is refused, not mixed in."""
+    return {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
+                    for s in shards} for split, shards in splits.items()}
+
+def data_changes(there, here):
+    """What differs between two data_fingerprint()s, in words."""
+    changes = []
+    for split in sorted(here.keys() | there.keys()):
+        old, new = there.get(split, {}), here.get(split, {})
+        changes += [f"{name} missing" for name in sorted(old.keys() - new.keys())]
+        changes += [f"{name} added" for name in sorted(new.keys() - old.keys())]
+        changes += [f"{name} holds other tokens" for name in sorted(old.keys() & new.keys()) if old[name] != new[name]]
+    return changes
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
@@ -411,6 +432,11 @@ def open_run(argv):
             raise UserError(f"{path} was trained on data from another tokenizer ({old.get('tokenizer')}, "
                             f"{old.get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
                             f"{meta.get('vocab_size')} ids)")
+    data = data_fingerprint(splits)
+    if config.resume and "data" in ckpt:  # (--eval_only may evaluate on other data; an older ckpt has none)
+        if changes := data_changes(ckpt["data"], data):
+            raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
+                            "resume on the data it was trained on, or start a new run with another --out_dir")
     if config.resume:  # the log it continues: damaged, refused before anything is written
         read_log(os.path.join(config.out_dir, "log.jsonl"))
     per_step = world * config.micro_batch * config.seq_len
@@ -437,12 +463,13 @@ def open_run(argv):
         lock = lock_run_folder(config.out_dir)
     # What the loop needs. counts: each id's count in the train split (the frequency buckets);
     # byte_lengths: UTF-8 bytes per id (bits per byte); accum: micro-steps per step on each rank;
-    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met.
+    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met;
+    # data: what the run trains on (data_fingerprint), saved with it.
     return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
                            byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt, lock=lock,
                            device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
                            max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev",
-                           wandb=None, saving=None, save_error=None)
+                           wandb=None, saving=None, save_error=None, data=data)
 
 DDP = torch.nn.parallel.DistributedDataParallel
 # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
@@ -682,7 +709,7 @@ def checkpoint(run, wait=False):
     if run.rank == 0:
         state = dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
                      model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
-                     step=run.step, tokens_seen=run.step * run.config.batch_tokens)
+                     data=run.data, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
         run.saving = threading.Thread(target=write_checkpoint, args=(run, cpu_copy(state, {})))
         run.saving.start()
     if wait:

@@ -694,3 +694,26 @@ def test_a_new_run_never_starts_over_another_runs_files(train_data, tmp_path, ca
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS])
         assert_one_error_line(code, capsys.readouterr().err, f"holds another run's {name}", "another --out_dir")
         assert os.listdir(out) == [name] and (out / name).read_text() == "{}\n"
+
+
+def test_data_changed_under_a_run_is_refused_naming_the_change(train_data, tmp_path, capsys):
+    """A resume on a data folder prepared again with other settings, or one that lost a shard, is one
+    line naming what changed, and the run is left as it was; a new run on a folder short of a shard
+    its meta.json lists is refused too."""
+    out, data = tmp_path / "run", tmp_path / "data"
+    shutil.copytree(train_data, data)
+    train_cli(data, out, "--total_tokens=2048", "--stop_step=2")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    again = tmp_path / "again"  # the same corpus prepared again with other settings: other shards
+    r = run_script("prepare_data.py", f"--dataset={train_data.parent / 'corpus.jsonl'}", f"--out_dir={again}",
+                   "--vocab_size=512", "--val_fraction=0.2", "--workers=1")
+    assert r.returncode == 0, r.stderr
+    shutil.copytree(again, data, dirs_exist_ok=True)
+    code = train.main([f"--data_dir={data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=2048", "--resume"])
+    assert_one_error_line(code, capsys.readouterr().err, "changed since", "holds other tokens", "another --out_dir")
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"]["train"]["shards"] += 1  # as if a shard had been lost
+    (data / "meta.json").write_text(json.dumps(meta))
+    code = train.main([f"--data_dir={data}", f"--out_dir={tmp_path / 'new'}", *TRAIN_ARGS])
+    assert_one_error_line(code, capsys.readouterr().err, "train shards", "meta.json lists", "prepare the data again")
