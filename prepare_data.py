@@ -8,8 +8,7 @@
 Interrupted? Run the same command again: it resumes after the last complete shard.
 
 Top to bottom: the command-line layer every script shares (bad input is one `error:` line), the shard
-format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). numpy and
-tiktoken only: no torch here.
+format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). No torch here.
 """
 import argparse, functools, glob, gzip, hashlib, json, math, os, platform, shlex, socket, sys, sysconfig, tempfile, time
 import urllib.parse
@@ -72,7 +71,6 @@ def parse_number(kind):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a mistake raised as a UserError (one line), not usage text and exit 2."""
-
     def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
         super().__init__(prog=prog, allow_abbrev=False, **kwargs)
 
@@ -121,33 +119,28 @@ def read_json(path, fix):
 # Beside the shards: meta.json (the tokenizer, the counts, the command; written last, so its presence
 # means "complete"), counts.npy (int64 count of each id in the train split) and progress.json (where
 # each split's next shard starts, for resuming).
-
 MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 
 def token_dtype(vocab_size):
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
-def shard_header(n_tokens, vocab_size):
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:5] = MAGIC, VERSION, token_dtype(vocab_size).itemsize, n_tokens, vocab_size
-    return header.tobytes()
-
 class ShardWriter:
     """One shard written incrementally to PATH.tmp; finish() renames it, so a visible shard is whole."""
-
     def __init__(self, path, vocab_size):
         self.path, self.vocab_size, self.n = os.fspath(path), vocab_size, 0
         self.file = open(self.path + ".tmp", "wb")
-        self.file.write(shard_header(0, vocab_size))  # a placeholder; finish() writes the real count
+        self.file.seek(HEADER_BYTES)  # the header, which holds the count, is written last
 
     def append(self, tokens):
         self.file.write(np.asarray(tokens).astype(token_dtype(self.vocab_size), copy=False).tobytes())
         self.n += len(tokens)
 
     def finish(self):
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[:5] = MAGIC, VERSION, token_dtype(self.vocab_size).itemsize, self.n, self.vocab_size
         self.file.seek(0)
-        self.file.write(shard_header(self.n, self.vocab_size))
+        self.file.write(header.tobytes())
         self.file.flush()
         os.fsync(self.file.fileno())  # the data must be on disk before the name says "complete"
         self.file.close()
@@ -172,20 +165,17 @@ def read_shard(path, vocab_size=None):
     if size < HEADER_BYTES:
         raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated copy?); {redo}")
     magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
-    if magic != MAGIC:
-        raise UserError(f"{path}: not a token shard (magic number {magic}, expected {MAGIC}); point at a folder "
-                        "written by prepare_data.py")
-    if version != VERSION:
-        raise UserError(f"{path}: shard format version {version}, but this code reads version {VERSION}; {redo}")
-    if vocab <= 0 or width != token_dtype(vocab).itemsize:
-        raise UserError(f"{path}: header says {width} bytes per token for a vocabulary of {vocab}, which is "
-                        f"inconsistent (damaged header); {redo}")
-    if size != HEADER_BYTES + n * width:
-        raise UserError(f"{path}: file is {size} bytes but its header promises {n} tokens = "
-                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged); {redo}")
+    for bad, why in [(magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
+                     (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
+                     (vocab <= 0 or width != token_dtype(vocab).itemsize,
+                      f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
+                     (size != HEADER_BYTES + n * width, f"file is {size} bytes but its header promises {n} tokens = "
+                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)")]:
+        if bad:
+            raise UserError(f"{path}: {why}; {redo}")
     if vocab_size is not None and vocab != vocab_size:
-        raise UserError(f"{path} was made with a {vocab}-id tokenizer but meta.json says {vocab_size}: shards "
-                        "from another tokenizer; prepare the data again")
+        raise UserError(f"{path} was made with a {vocab}-id tokenizer but meta.json says {vocab_size}: shards from "
+                        "another tokenizer; prepare the data again")
     if n == 0:  # mmap cannot map zero bytes
         return np.zeros(0, token_dtype(vocab))
     return np.memmap(path, dtype=token_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
@@ -209,8 +199,8 @@ def load_meta(data_dir):
     return meta
 
 def load_counts(data_dir, vocab_size):
-    """counts.npy, each id's count in the train split, checked as it is opened (before training, not at the
-    first evaluation)."""
+    """counts.npy, each id's count in the train split, checked as it is opened: before training, not at the
+    first evaluation."""
     path = os.path.join(data_dir, "counts.npy")
     if not os.path.isfile(path):
         raise UserError(f"{path} is missing; run prepare_data.py again")
@@ -252,7 +242,6 @@ def seed_tiktoken_cache(name):
 class Tokenizer:
     """A tiktoken Encoding behind the small interface the scripts use. Text is always encoded as ordinary
     text: a literal "<|endoftext|>" inside a document is not the separator."""
-
     def __init__(self, enc, name, truncated_to=None):
         self.enc, self.name, self.truncated_to = enc, name, truncated_to
         self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
@@ -288,13 +277,10 @@ def get_tokenizer(name="o200k_base", vocab_size=None):
     if not vocab_size:
         return Tokenizer(enc, name)
     ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
-    if not 257 <= vocab_size <= len(ranks) + 1:
-        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) to "
-                        f"{len(ranks) + 1}, or 0 for the full vocabulary")
     kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
-    if any(bytes([b]) not in kept for b in range(256)):
-        raise UserError(f"the first {vocab_size - 1} ranks of {name} lack some single bytes, so some text would "
-                        "be unencodable; use a larger --vocab_size")
+    if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
+        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) to "
+                        f"{len(ranks) + 1} with every single byte among the first merges, or 0 for all")
     small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
                               special_tokens={"<|endoftext|>": vocab_size - 1})
     return Tokenizer(small, name, vocab_size)
@@ -444,8 +430,8 @@ def _chunks(docs, max_chars=1 << 20, max_docs=512):
         yield chunk
 
 def _tokenized(tok, docs, workers):
-    """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken releases the GIL while
-    encoding, so threads use every core; at most 2 chunks per thread are in flight (bounded memory)."""
+    """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken releases the GIL while encoding,
+    so threads use every core; at most 2 chunks per thread are in flight, which bounds the memory."""
     def encode(chunk):
         return [(i, np.array(tok.encode(text) + [tok.eot], token_dtype(tok.n_vocab))) for i, text in chunk]
     pool, pending = ThreadPoolExecutor(workers), deque()
@@ -459,8 +445,8 @@ def _tokenized(tok, docs, workers):
     finally:
         pool.shutdown(cancel_futures=True)
 
-def _write_split(split, docs, keep, tok, args, out_dir, progress):
-    """One split's documents -> shards of --shard_tokens ids; returns its closing line. After each complete
+def _write_split(split, docs, tok, args, out_dir, progress):
+    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
     shard, progress.json records where the next starts (a document, and how many of its tokens are written):
     a rerun resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
     state, shard, started, last_line = progress["splits"][split], None, time.time(), time.time()
@@ -475,15 +461,14 @@ def _write_split(split, docs, keep, tok, args, out_dir, progress):
             state.update(shards=state["shards"] + 1, **position)
         write_json(os.path.join(out_dir, "progress.json"), progress)
 
-    def line(final=True):  # the time left, while the total is known (--max_tokens)
+    def line(final=True):  # the time left shows while the total is known (--max_tokens)
         rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
-        left = args.max_tokens and split == "train" and rate and not final
-        return (f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s"
-                + (f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if left else ""))
+        left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
+            args.max_tokens and split == "train" and rate and not final) else ""
+        return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-    wanted = ((i, text) for i, text in enumerate(docs()) if i >= first and keep(i))
-    with closing(_tokenized(tok, wanted, args.workers)) as tokenized:  # closed, it stops its threads
-        for index, ids in tokenized:
+    with closing(_tokenized(tok, ((i, t) for i, t in docs if i >= first), args.workers)) as tokenized:
+        for index, ids in tokenized:  # closed, `tokenized` stops its threads
             pos = skip if index == first else 0
             state["documents"] += pos == 0  # a resumed document was counted when it began
             while pos < len(ids) and state["tokens"] < budget:
@@ -525,22 +510,24 @@ def _parse_args(argv):
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
-    for name, bad, allowed in [("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
-                               ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32)"),
-                               ("val_tokens", args.val_tokens < 1, ">= 1"), ("workers", args.workers < 1, ">= 1"),
-                               ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
-                               ("name", args.name is not None and (os.path.basename(args.name) != args.name or args.name
-                                in ("", ".", "..")), "a folder name under data/, without slashes (else pass --out_dir)")]:
+    name = args.name
+    for option, bad, allowed in [
+            ("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
+            ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32 count)"),
+            ("val_tokens", args.val_tokens < 1, ">= 1"), ("workers", args.workers < 1, ">= 1 (tokenizer threads)"),
+            ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
+            ("name", name is not None and (os.path.basename(name) != name or name in ("", ".", "..")),
+             "a folder name under data/, without slashes; to write elsewhere pass --out_dir")]:
         if bad:
-            raise UserError(f"--{name}={getattr(args, name)}: must be {allowed}")
+            raise UserError(f"--{option}={getattr(args, option)}: must be {allowed}")
     return args
 
 def _sources(args):
-    """(name, description, {split: (documents function, keep(document index))})."""
-    everything = lambda i: True  # noqa: E731
+    """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
-        splits = {split: (functools.partial(_hub_documents, split), everything) for split in SPLITS}
+        docs = functools.partial(_hub_documents, "train")
+        splits = {"val": lambda: enumerate(_hub_documents("val")), "train": lambda: enumerate(docs())}
     else:
         name, docs = "demo", demo_documents
         desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
@@ -550,12 +537,12 @@ def _sources(args):
             name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
             name = functools.reduce(str.removesuffix, SUFFIXES, name)
         every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
-        splits = {"val": (docs, lambda i: i % every == 0), "train": (docs, lambda i: i % every != 0)}
+        splits = {"val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
+                  "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
         desc += "" if args.val else f"; val: every {every}th document"
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        desc += f"; val: {os.path.abspath(args.val)}"
-        splits = {"val": (functools.partial(file_documents, find_files(args.val)), everything),
-                  "train": (splits["train"][0], everything)}
+        desc, val_files = desc + f"; val: {os.path.abspath(args.val)}", find_files(args.val)
+        splits = {"val": lambda: enumerate(file_documents(val_files)), "train": lambda: enumerate(docs())}
     return name, desc, splits
 
 def _load_progress(out_dir, config):
@@ -566,12 +553,12 @@ def _load_progress(out_dir, config):
                             "delete them")
         start = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)
         return {"config": config, "splits": {split: dict(start) for split in SPLITS}}
-    progress, fields = read_json(path, afresh), dict(shards=int, next_doc=int, skip=int, tokens=int, documents=int,
-                                                      done=bool)
+    progress = read_json(path, afresh)
     try:
+        fields = dict(shards=int, next_doc=int, skip=int, tokens=int, documents=int, done=bool)
         whole = isinstance(progress["config"], dict) and all(
             type(progress["splits"][split][k]) is kind for split in SPLITS for k, kind in fields.items())
-    except (KeyError, TypeError, IndexError):
+    except (KeyError, TypeError, IndexError):  # not a dict where one should be
         whole = False
     if not whole:
         raise UserError(f"{path} lacks where each split stopped (an edited or foreign file), so its shards cannot "
@@ -601,7 +588,7 @@ def prepare(argv=None):
     progress = _load_progress(out_dir, json.loads(json.dumps(config)))
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
-            print(_write_split(split, *splits[split], tok, args, out_dir, progress))
+            print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     counts = np.zeros(tok.n_vocab, dtype=np.int64)  # counted from the shards: exact after resuming too
     for path in shard_paths(out_dir, "train"):
         tokens = read_shard(path)
