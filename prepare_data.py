@@ -73,7 +73,6 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse with a mistake raised as a UserError (one line), not usage text and exit 2."""
     def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
         super().__init__(prog=prog, allow_abbrev=False, **kwargs)
-
     def error(self, message):
         raise UserError(f"{message} (see python {self.prog} --help)")
 
@@ -131,11 +130,9 @@ class ShardWriter:
         self.path, self.vocab_size, self.n = os.fspath(path), vocab_size, 0
         self.file = open(self.path + ".tmp", "wb")
         self.file.seek(HEADER_BYTES)  # the header, which holds the count, is written last
-
     def append(self, tokens):
         self.file.write(np.asarray(tokens).astype(token_dtype(self.vocab_size), copy=False).tobytes())
         self.n += len(tokens)
-
     def finish(self):
         header = np.zeros(HEADER_INTS, dtype="<i4")
         header[:5] = MAGIC, VERSION, token_dtype(self.vocab_size).itemsize, self.n, self.vocab_size
@@ -245,13 +242,10 @@ class Tokenizer:
     def __init__(self, enc, name, truncated_to=None):
         self.enc, self.name, self.truncated_to = enc, name, truncated_to
         self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
-
     def encode(self, text):
         return self.enc.encode_ordinary(text)
-
     def decode(self, ids):
         return self.enc.decode(np.asarray(ids, dtype=np.int64).tolist())
-
     def token_byte_lengths(self):
         """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
         lengths = np.zeros(self.n_vocab, dtype=np.int64)
@@ -333,7 +327,7 @@ def find_files(spec):
 def _zstd_lines(path):
     # Read frame by frame: zstandard's stream_reader, and so datasets, ends silently where a file is cut.
     import zstandard
-    dctx, pieces, in_frame = zstandard.ZstdDecompressor(), [], False
+    dctx, tail, in_frame = zstandard.ZstdDecompressor(), b"", False
     with open(path, "rb") as f:
         frame = dctx.decompressobj()
         while data := f.read(1 << 20):
@@ -344,15 +338,11 @@ def _zstd_lines(path):
                     raise UserError(f"{path}: not valid zstd data ({e})") from None
                 in_frame, data = not frame.eof, frame.unused_data if frame.eof else b""
                 frame = dctx.decompressobj() if frame.eof else frame
-                *lines, tail = chunk.split(b"\n")
-                if lines:  # a line's pieces are joined once: a huge line costs no quadratic copying
-                    yield b"".join([*pieces, lines[0]])
-                    yield from lines[1:]
-                    pieces = []
-                pieces.append(tail)
+                *lines, tail = (tail + chunk).split(b"\n")
+                yield from lines
     if in_frame:
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
-    yield b"".join(pieces)
+    yield tail
 
 def _jsonl_texts(path, lines):
     # Read here, not by datasets: its errors name no line, and the .zst reader above must feed it.
@@ -454,13 +444,11 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
-
     def save(**position):  # after the shard's rename: progress.json never points past a whole shard
         if shard is not None and shard.n:
             shard.finish()
             state.update(shards=state["shards"] + 1, **position)
         write_json(os.path.join(out_dir, "progress.json"), progress)
-
     def line(final=True):  # the time left shows while the total is known (--max_tokens)
         rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
         left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (

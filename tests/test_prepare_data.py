@@ -236,6 +236,9 @@ def _bad_inputs(tmp):
     _write_zst(tmp / "cut2.jsonl.zst", [f"document {i}" for i in range(20)], frames=2)
     (tmp / "cut2.jsonl.zst").write_bytes((tmp / "cut2.jsonl.zst").read_bytes()[:-20])
     (tmp / "fake.parquet").write_text("not parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"content": ["a document under another name"]}), tmp / "notext.parquet")
     good = tmp / "good.jsonl"
     good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
     return [
@@ -247,6 +250,7 @@ def _bad_inputs(tmp):
         ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
         ([f"--dataset={tmp / 'cut2.jsonl.zst'}"], "truncated"),
         ([f"--dataset={tmp / 'fake.parquet'}"], "Parquet"),
+        ([f"--dataset={tmp / 'notext.parquet'}"], 'no "text" column'),
         ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
         ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
         ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
