@@ -30,9 +30,8 @@ def print_error(e):
     print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, however many the message has
 
 def run_main(command, argv=None, kept=""):
-    """command(argv) as a script's exit status (its own, else 0), with no traceback for the user: a UserError
-    or OSError is one line (1), Ctrl-C one line (130), each ending with `kept`, what survives them. Output piped
-    into a reader that stops early (`| head`) ends quietly, as a Unix tool's does."""
+    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
+    one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
     try:
         status = command(argv)
     except UserError as e:
@@ -56,8 +55,7 @@ def parse_bool(text):
     return text.lower() in ("1", "true", "yes", "on")
 
 def parse_number(kind):
-    """The number rule of every option: int or float; an int also as 262_144 or 4.2e9 (when whole), exact
-    however large when written out. Ranges are each option's."""
+    """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
     def parse(text):
         digits = text.replace("_", "")
         try:
@@ -77,8 +75,7 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see python {self.prog} --help)")
 
 def atomic_write(path, write, mode="wb"):
-    """write(file) into PATH.tmp, fsync, rename it over PATH, fsync the folder: a kill or a full disk at any
-    moment leaves the old file or the new one, never half of one."""
+    """write(file) into PATH.tmp, then rename it over PATH: a kill or a full disk leaves the old or the new file."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
@@ -153,14 +150,13 @@ def write_shard(path, tokens, vocab_size):
     shard.finish()
 
 def read_shard(path, vocab_size=None):
-    """One shard's tokens as a read-only np.memmap, once its header agrees with the file (and, given
-    vocab_size, with the vocabulary meta.json names)."""
+    """One shard's tokens as a read-only np.memmap, once its header agrees with the file (and vocab_size)."""
     path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
     if not os.path.isfile(path):
         raise UserError(f"{path}: shard not found; run prepare_data.py to create it")
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated copy?); {redo}")
+        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?); {redo}")
     magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
     for bad, why in [(magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
                      (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
@@ -171,14 +167,12 @@ def read_shard(path, vocab_size=None):
         if bad:
             raise UserError(f"{path}: {why}; {redo}")
     if vocab_size is not None and vocab != vocab_size:
-        raise UserError(f"{path} was made with a {vocab}-id tokenizer but meta.json says {vocab_size}: shards from "
-                        "another tokenizer; prepare the data again")
+        raise UserError(f"{path} has {vocab} ids, meta.json {vocab_size}: shards from another tokenizer; prepare again")
     if n == 0:  # mmap cannot map zero bytes
         return np.zeros(0, token_dtype(vocab))
     return np.memmap(path, dtype=token_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
 
 def shard_paths(data_dir, split):
-    """The complete shards of `split` ("train" or "val") in `data_dir`, in order."""
     return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
 
 def load_meta(data_dir):
@@ -191,13 +185,11 @@ def load_meta(data_dir):
     if (not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str) or not count("vocab_size")
             or not count("eot_id") or not meta["eot_id"] < meta["vocab_size"]
             or not (meta.get("tokenizer_vocab_size") is None or count("tokenizer_vocab_size"))):  # None: not truncated
-        raise UserError(f"{path} lacks the tokenizer, its vocab_size or eot_id (an edited or foreign file); "
-                        "run prepare_data.py again")
+        raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id (edited?); run prepare_data.py again")
     return meta
 
 def load_counts(data_dir, vocab_size):
-    """counts.npy, each id's count in the train split, checked as it is opened: before training, not at the
-    first evaluation."""
+    """counts.npy, each id's count in the train split, checked now: before training, not at its first evaluation."""
     path = os.path.join(data_dir, "counts.npy")
     if not os.path.isfile(path):
         raise UserError(f"{path} is missing; run prepare_data.py again")
@@ -280,7 +272,7 @@ def get_tokenizer(name="o200k_base", vocab_size=None):
     return Tokenizer(small, name, vocab_size)
 
 def tokenizer_from_meta(meta):
-    """Rebuild exactly the tokenizer a data folder was made with."""
+    """Exactly the tokenizer a data folder was made with."""
     tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
     if (tok.n_vocab, tok.eot) != (meta["vocab_size"], meta["eot_id"]):
         raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, meta.json says "
@@ -290,15 +282,15 @@ def tokenizer_from_meta(meta):
 # ---------------------------------------------------------------------------- the corpora
 
 def demo_documents():
-    """The built-in corpus: the standard library's own non-test modules (sorted), then pydoc's help topics.
-    It depends on the Python version, which meta.json records."""
+    """The standard library's own non-test modules (sorted), then pydoc's help topics (meta.json names the Python)."""
     lib = sysconfig.get_paths()["stdlib"]
     skip = {"idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo", "pydoc_data"}
     paths = []
     for root, dirs, files in os.walk(lib):
         dirs[:] = [d for d in dirs if d not in skip and not d.startswith(("test", "config-"))]
         # _sysconfigdata* describes this machine's build, not Python: it would make the corpus vary.
-        paths += [os.path.join(root, f) for f in files if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
+        paths += [os.path.join(root, f) for f in files
+                  if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
     for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
         with open(path, encoding="utf-8", errors="replace") as f:
             yield f.read()
@@ -357,8 +349,7 @@ def _jsonl_texts(path, lines):
             yield record["text"]
 
 def _datasets_texts(path):
-    """A Parquet file's "text" column, or a .txt file as one document, streamed by datasets (so no Arrow
-    copy of the corpus lands in its cache)."""
+    """A Parquet file's "text" column, or a .txt file as one document, streamed (no Arrow copy in datasets' cache)."""
     import datasets
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log would be a second line
     txt = path.endswith(".txt")
