@@ -348,18 +348,15 @@ def _jsonl_texts(path, lines):
                 raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ..., ...}})')
             yield record["text"]
 
-def _datasets_texts(path):
-    """A Parquet file's "text" column, or a .txt file as one document, streamed (no Arrow copy in datasets' cache)."""
+def _parquet_texts(path):
+    """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
     import datasets
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log would be a second line
-    txt = path.endswith(".txt")
-    options = dict(sample_by="document", encoding_errors="replace") if txt else dict(batch_size=1024)
     try:
-        stream = datasets.load_dataset("text" if txt else "parquet", data_files=[path], split="train",
-                                       streaming=True, **options)
-        if not txt and "text" not in stream.features:
+        stream = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True, batch_size=1024)
+        if "text" not in stream.features:
             raise UserError(f"{path}: no \"text\" column (columns: {', '.join(stream.features)})")
-        for row, record in enumerate(stream if txt else stream.select_columns(["text"])):
+        for row, record in enumerate(stream.select_columns(["text"])):
             if not isinstance(record["text"], str):
                 raise UserError(f"{path}: row {row}: \"text\" is {record['text']!r}, not a string")
             yield record["text"]
@@ -368,8 +365,10 @@ def _datasets_texts(path):
 
 def file_documents(files):
     for path in files:
-        if path.endswith((".txt", ".parquet")):
-            yield from _datasets_texts(path)
+        if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock file each
+            yield Path(path).read_text(encoding="utf-8", errors="replace")
+        elif path.endswith(".parquet"):
+            yield from _parquet_texts(path)
         elif path.endswith(".zst"):
             yield from _jsonl_texts(path, _zstd_lines(path))
         else:
