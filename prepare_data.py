@@ -10,11 +10,8 @@ Interrupted? Run the same command again: it resumes after the last complete shar
 Top to bottom: the command-line layer every script shares (bad input is one `error:` line), the shard
 format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). No torch here.
 """
-import argparse, functools, glob, gzip, hashlib, json, math, os, platform, shlex, socket, sys, sysconfig, tempfile, time
+import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, socket, sys, sysconfig, tempfile, time
 import urllib.parse
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
 from importlib import resources
 from pathlib import Path
 
@@ -398,32 +395,14 @@ def _hub_documents(split):
 
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
 
-def _chunks(docs, max_chars=1 << 20, max_docs=512):
-    chunk, chars = [], 0
-    for item in docs:
-        chunk.append(item)
-        chars += len(item[1])
-        if chars >= max_chars or len(chunk) >= max_docs:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
-
-def _tokenized(tok, docs, workers):
-    """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken releases the GIL while encoding,
-    so threads use every core; at most 2 chunks per thread are in flight, which bounds the memory."""
-    def encode(chunk):
-        return [(i, np.array(tok.encode(text) + [tok.eot], token_dtype(tok.n_vocab))) for i, text in chunk]
-    pool, pending = ThreadPoolExecutor(workers), deque()
-    try:
-        for chunk in _chunks(docs):
-            pending.append(pool.submit(encode, chunk))
-            if len(pending) >= 2 * workers:
-                yield from pending.popleft().result()
-        while pending:
-            yield from pending.popleft().result()
-    finally:
-        pool.shutdown(cancel_futures=True)
+def _tokenized(tok, docs, workers, batch_docs=512):
+    """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
+    threads, which run in parallel as its Rust encoder releases the GIL; one batch at a time bounds the memory."""
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, batch_docs)):
+        indices, texts = zip(*batch)
+        for index, ids in zip(indices, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers)):
+            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
 
 def _write_split(split, docs, tok, args, out_dir, progress):
     """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
@@ -445,23 +424,22 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-    with closing(_tokenized(tok, ((i, t) for i, t in docs if i >= first), args.workers)) as tokenized:
-        for index, ids in tokenized:  # closed, `tokenized` stops its threads
-            pos = skip if index == first else 0
-            state["documents"] += pos == 0  # a resumed document was counted when it began
-            while pos < len(ids) and state["tokens"] < budget:
-                shard = shard or ShardWriter(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), tok.n_vocab)
-                take = min(len(ids) - pos, args.shard_tokens - shard.n, budget - state["tokens"])
-                shard.append(ids[pos:pos + take])
-                pos, state["tokens"] = pos + take, state["tokens"] + take
-                if shard.n == args.shard_tokens:
-                    save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
-                    shard = None
-            if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
-                last_line = time.time()
-                print(line(final=False), file=sys.stderr, flush=True)
-            if state["tokens"] >= budget:
-                break
+    for index, ids in _tokenized(tok, ((i, t) for i, t in docs if i >= first), args.workers):
+        pos = skip if index == first else 0
+        state["documents"] += pos == 0  # a resumed document was counted when it began
+        while pos < len(ids) and state["tokens"] < budget:
+            shard = shard or ShardWriter(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), tok.n_vocab)
+            take = min(len(ids) - pos, args.shard_tokens - shard.n, budget - state["tokens"])
+            shard.append(ids[pos:pos + take])
+            pos, state["tokens"] = pos + take, state["tokens"] + take
+            if shard.n == args.shard_tokens:
+                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+                shard = None
+        if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
+            last_line = time.time()
+            print(line(final=False), file=sys.stderr, flush=True)
+        if state["tokens"] >= budget:
+            break
     if state["tokens"] == 0:  # before "done": a split marked done must not be empty
         raise UserError(f"the {split} split is empty: no documents reached it (empty corpus? for a tiny corpus "
                         "raise --val_fraction or pass --val=PATH)")
