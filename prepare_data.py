@@ -118,33 +118,17 @@ HEADER_BYTES = HEADER_INTS * 4
 def token_dtype(vocab_size):
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
-class ShardWriter:
-    """One shard written incrementally to PATH.tmp; finish() renames it, so a visible shard is whole."""
-    def __init__(self, path, vocab_size):
-        self.path, self.vocab_size, self.n = os.fspath(path), vocab_size, 0
-        self.file = open(self.path + ".tmp", "wb")
-        self.file.seek(HEADER_BYTES)  # the header, which holds the count, is written last
-    def append(self, tokens):
-        self.file.write(np.asarray(tokens).astype(token_dtype(self.vocab_size), copy=False).tobytes())
-        self.n += len(tokens)
-    def finish(self):
-        header = np.zeros(HEADER_INTS, dtype="<i4")
-        header[:5] = MAGIC, VERSION, token_dtype(self.vocab_size).itemsize, self.n, self.vocab_size
-        self.file.seek(0)
-        self.file.write(header.tobytes())
-        self.file.flush()
-        os.fsync(self.file.fileno())  # the data must be on disk before the name says "complete"
-        self.file.close()
-        os.replace(self.path + ".tmp", self.path)
-
 def write_shard(path, tokens, vocab_size):
-    """Write `tokens` (fewer than 2**31 ids, each in [0, vocab_size)) as one shard, atomically."""
+    """Write `tokens` (fewer than 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
         raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
-    shard = ShardWriter(path, vocab_size)
-    shard.append(tokens)
-    shard.finish()
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:5] = MAGIC, VERSION, token_dtype(vocab_size).itemsize, tokens.size, vocab_size
+    def write(f):
+        f.write(header)
+        f.write(np.ascontiguousarray(tokens, token_dtype(vocab_size)))  # an array is a buffer: written as is
+    atomic_write(os.fspath(path), write)
 
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a read-only np.memmap, once its header agrees with the file (and vocab_size)."""
@@ -408,15 +392,18 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
     shard, progress.json records where the next starts (a document, and how many of its tokens are written):
     a rerun resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
-    state, shard, started, last_line = progress["splits"][split], None, time.time(), time.time()
+    state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = (args.max_tokens or math.inf) if split == "train" else args.val_tokens
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
+    shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # 400 MB at the default size
     def save(**position):  # after the shard's rename: progress.json never points past a whole shard
-        if shard is not None and shard.n:
-            shard.finish()
+        nonlocal filled
+        if filled:
+            write_shard(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), shard[:filled], tok.n_vocab)
             state.update(shards=state["shards"] + 1, **position)
+            filled = 0
         write_json(os.path.join(out_dir, "progress.json"), progress)
     def line(final=True):  # the time left shows while the total is known (--max_tokens)
         rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
@@ -428,13 +415,11 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         pos = skip if index == first else 0
         state["documents"] += pos == 0  # a resumed document was counted when it began
         while pos < len(ids) and state["tokens"] < budget:
-            shard = shard or ShardWriter(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), tok.n_vocab)
-            take = min(len(ids) - pos, args.shard_tokens - shard.n, budget - state["tokens"])
-            shard.append(ids[pos:pos + take])
-            pos, state["tokens"] = pos + take, state["tokens"] + take
-            if shard.n == args.shard_tokens:
+            take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
+            shard[filled:filled + take] = ids[pos:pos + take]
+            filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
+            if filled == args.shard_tokens:
                 save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
-                shard = None
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
             print(line(final=False), file=sys.stderr, flush=True)
