@@ -119,7 +119,7 @@ def token_dtype(vocab_size):
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 def write_shard(path, tokens, vocab_size):
-    """Write `tokens` (fewer than 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
+    """`tokens` (fewer than 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
         raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
@@ -378,6 +378,7 @@ def _hub_documents(split):
 # ---------------------------------------------------------------------------- documents -> tokens -> shards
 
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
+START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
 def _tokenized(tok, docs, workers, batch_docs=512):
     """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
@@ -440,7 +441,8 @@ def _parse_args(argv):
     add("--val_fraction", type=parse_number(float), help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
     add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
     add("--max_tokens", type=integer, help="stop the train split after this many tokens")
-    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (the last of a split: the rest)")
+    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard, built in memory (4 bytes each "
+        "with 65,537+ ids, else 2)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
     add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
     add("--name", help="output folder name under data/ (default: from --dataset)")
@@ -467,39 +469,38 @@ def _sources(args):
     """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
-        docs = functools.partial(_hub_documents, "train")
-        splits = {"val": lambda: enumerate(_hub_documents("val")), "train": lambda: enumerate(docs())}
-    else:
+        docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
+    elif args.dataset == "demo":
         name, docs = "demo", demo_documents
         desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
-        if args.dataset != "demo":  # named after the file, or a glob's folder
-            docs, desc = functools.partial(file_documents, find_files(args.dataset)), os.path.abspath(args.dataset)
-            name = os.path.basename(args.dataset.rstrip("/"))
-            name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
-            name = functools.reduce(str.removesuffix, SUFFIXES, name)
-        every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
-        splits = {"val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
-                  "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
-        desc += "" if args.val else f"; val: every {every}th document"
+    else:  # named after the file, or a glob's folder
+        docs, desc = functools.partial(file_documents, find_files(args.dataset)), os.path.abspath(args.dataset)
+        name = os.path.basename(args.dataset.rstrip("/"))
+        name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
+        name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        desc, val_files = desc + f"; val: {os.path.abspath(args.val)}", find_files(args.val)
-        splits = {"val": lambda: enumerate(file_documents(val_files)), "train": lambda: enumerate(docs())}
-    return name, desc, splits
+        val_files = find_files(args.val)
+        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", lambda: file_documents(val_files)
+    if args.dataset == "pile" or args.val:
+        return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
+    every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
+    return name, f"{desc}; val: every {every}th document", {
+        "val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
+        "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
 
 def _load_progress(out_dir, config):
+    """Where each split stopped, from progress.json; none for a new folder, and no resuming other settings."""
     path, afresh = os.path.join(out_dir, "progress.json"), f"delete {out_dir} and prepare it afresh"
     if not os.path.exists(path):
         if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
             raise UserError(f"{out_dir} already holds shards not made by this command; use another --out_dir or "
                             "delete them")
-        start = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)
-        return {"config": config, "splits": {split: dict(start) for split in SPLITS}}
+        return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
     progress = read_json(path, afresh)
-    try:
-        fields = dict(shards=int, next_doc=int, skip=int, tokens=int, documents=int, done=bool)
+    try:  # TypeError: a list or a number where a dict should be
         whole = isinstance(progress["config"], dict) and all(
-            type(progress["splits"][split][k]) is kind for split in SPLITS for k, kind in fields.items())
-    except (KeyError, TypeError, IndexError):  # not a dict where one should be
+            type(progress["splits"][split][k]) is type(v) for split in SPLITS for k, v in START.items())
+    except (KeyError, TypeError):
         whole = False
     if not whole:
         raise UserError(f"{path} lacks where each split stopped (an edited or foreign file), so its shards cannot "
@@ -526,14 +527,14 @@ def prepare(argv=None):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
-    progress = _load_progress(out_dir, json.loads(json.dumps(config)))
+    progress = _load_progress(out_dir, config)
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
             print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     counts = np.zeros(tok.n_vocab, dtype=np.int64)  # counted from the shards: exact after resuming too
     for path in shard_paths(out_dir, "train"):
         tokens = read_shard(path)
-        for i in range(0, len(tokens), 1 << 24):
+        for i in range(0, len(tokens), 1 << 24):  # in slices: bincount makes an int64 copy of what it counts
             counts += np.bincount(tokens[i:i + (1 << 24)], minlength=tok.n_vocab)
     atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
     meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab, eot_id=tok.eot,
