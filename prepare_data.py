@@ -398,7 +398,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
-    shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # 400 MB at the default size
+    shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default size
     def save(**position):  # after the shard's rename: progress.json never points past a whole shard
         nonlocal filled
         if filled:
@@ -441,8 +441,7 @@ def _parse_args(argv):
     add("--val_fraction", type=parse_number(float), help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
     add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
     add("--max_tokens", type=integer, help="stop the train split after this many tokens")
-    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard, built in memory (4 bytes each "
-        "with 65,537+ ids, else 2)")
+    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard, each built in memory (400 MB at most by default)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
     add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
     add("--name", help="output folder name under data/ (default: from --dataset)")
