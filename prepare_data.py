@@ -441,7 +441,7 @@ def _parse_args(argv):
     add("--val_fraction", type=parse_number(float), help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
     add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
     add("--max_tokens", type=integer, help="stop the train split after this many tokens")
-    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard, built in memory (400 MB at most by default)")
+    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
     add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
     add("--name", help="output folder name under data/ (default: from --dataset)")
