@@ -80,9 +80,11 @@ def atomic_write(path, write, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.filename == tmp:
+            e.filename = path  # the path the user gave, not its hidden temporary
         raise
     folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     os.fsync(folder)  # makes the rename itself durable
@@ -206,8 +208,11 @@ def seed_tiktoken_cache(name):
             tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
             tmp.write_bytes(blob)
             os.replace(tmp, target)
-    except (ImportError, OSError):
+    except ImportError:
         pass  # no bundled copy: tiktoken downloads as usual
+    except OSError as e:  # else tiktoken would try a download, and fail naming a host nobody asked for
+        raise UserError(f"cannot write tiktoken's cache {cache_dir} ({e.strerror}): point TIKTOKEN_CACHE_DIR "
+                        "at a writable folder") from None
 
 class Tokenizer:
     """A tiktoken Encoding behind the small interface the scripts use. Text is always encoded as ordinary
@@ -361,6 +366,8 @@ def _hub_documents(split):
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    if not url.hostname:
+        raise UserError(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']!r} is not a URL (https://host); fix or unset it")
     if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         try:  # one clear line at once: the Hub client would retry for tens of seconds, logging each retry
             socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), 10).close()
@@ -380,14 +387,38 @@ def _hub_documents(split):
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
 START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
+def _hashed(docs):
+    """(index, text, hash of every text up to this one) for each (index, text): progress.json keeps the hash
+    at each shard's end, so that a resume can tell that the input before that point is still the same."""
+    digest = hashlib.sha1()
+    for index, text in docs:
+        digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+        yield index, text, digest.hexdigest()
+
 def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
-    threads, which run in parallel as its Rust encoder releases the GIL; one batch at a time bounds the memory."""
+    """(index, ids + [end-of-text], hash) for each (index, text, hash), in order. tiktoken encodes a batch on
+    `workers` threads, which run in parallel as its Rust encoder releases the GIL; a batch at a time bounds memory."""
     docs = iter(docs)
     while batch := list(itertools.islice(docs, batch_docs)):
-        indices, texts = zip(*batch)
-        for index, ids in zip(indices, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers)):
-            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
+        indices, texts, hashes = zip(*batch)
+        for index, ids, digest in zip(indices, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers), hashes):
+            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab)), digest
+
+def _resumed(docs, state, split):
+    """The documents from where the split stopped; the hash of those before it must be the one kept then
+    (an input changed under an interrupted run would mix old and new documents in one dataset)."""
+    first, kept = state["next_doc"], state.get("digest")  # read now: saving the next shard changes them
+    last = first - 1 + (state["skip"] > 0)  # the last document the complete shards hold (part of)
+    changed = UserError(f"the {split} documents the complete shards were made of changed since (up to document "
+                        f"{last + 1:,}): restore the input, or delete the output folder to prepare it afresh")
+    seen = -1
+    for seen, text, digest in docs:
+        if seen == last and kept not in (None, digest):  # (a progress.json without a hash: unchecked)
+            raise changed
+        if seen >= first:
+            yield seen, text, digest
+    if kept is not None and seen < last:  # the input ended before that document
+        raise changed
 
 def _write_split(split, docs, tok, args, out_dir, progress):
     """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
@@ -412,7 +443,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-    for index, ids in _tokenized(tok, ((i, t) for i, t in docs if i >= first), args.workers):
+    for index, ids, digest in _tokenized(tok, _resumed(_hashed(docs), state, split), args.workers):
         pos = skip if index == first else 0
         state["documents"] += pos == 0  # a resumed document was counted when it began
         while pos < len(ids) and state["tokens"] < budget:
@@ -420,7 +451,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             shard[filled:filled + take] = ids[pos:pos + take]
             filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
             if filled == args.shard_tokens:
-                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids), digest=digest)
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
             print(line(final=False), file=sys.stderr, flush=True)
@@ -527,6 +558,8 @@ def prepare(argv=None):
     except OSError as e:
         raise UserError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
     progress = _load_progress(out_dir, config)
+    if all(progress["splits"][s]["done"] for s in SPLITS) and os.path.exists(os.path.join(out_dir, "meta.json")):
+        return load_meta(out_dir)  # complete already: nothing to write (the folder may be read-only, shared)
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
             print(_write_split(split, splits[split](), tok, args, out_dir, progress))

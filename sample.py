@@ -54,6 +54,8 @@ def load_model(out_dir, device="cpu"):
     if problems := [f"{what} {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
                     for what, names in found.items() if names]:
         raise UserError(f"{path}: the weights do not fit its model_config ({'; '.join(problems)}); {other}")
+    if bad := [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]:
+        raise UserError(f"{path}: {', '.join(bad[:3])} hold nan or inf (a run that diverged); use an earlier checkpoint")
     model.load_state_dict(state)
     return model.eval(), tok, ckpt.get("step")
 

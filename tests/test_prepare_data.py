@@ -349,3 +349,57 @@ def test_prepare_options_out_of_range_are_one_error_line(tmp_path, capsys, args)
     assert_one_error_line(code, capsys.readouterr().err, args[0].split("=")[0])
 
 
+
+
+def test_a_resume_over_a_changed_input_is_refused(tmp_path):
+    """Shards written, then the input changed before where they end: resuming would mix two corpora in
+    one dataset, so it is one line and the shards stay. A change after that point (the repair of the
+    bad line test_error_midway... makes) resumes."""
+    lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(3000)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(lines[:2500] + ["{broken"] + lines[2500:]) + "\n")
+    (tmp_path / "v.txt").write_text("held-out text")
+    args = [f"--dataset={src}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000",
+            "--vocab_size=2000", "--workers=1"]
+    assert run_script("prepare_data.py", *args).returncode != 0
+    kept = {p: open(p, "rb").read() for p in prep.shard_paths(tmp_path / "out", "train")}
+    assert len(kept) > 3
+    for changed in (lines[:10] + ['{"text": "an edited document"}'] + lines[11:2500],  # inside the shards
+                    lines[:100]):  # cut short before their end
+        src.write_text("\n".join(changed) + "\n")
+        r = run_script("prepare_data.py", *args)
+        assert_one_error_line(r.returncode, r.stderr, "train documents the complete shards were made of changed")
+        assert {p: open(p, "rb").read() for p in prep.shard_paths(tmp_path / "out", "train")} == kept
+
+
+def test_a_complete_folder_prepared_again_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The same command over a complete data folder (a shared, read-only dataset) says it is done."""
+    args = ["--dataset=demo", f"--out_dir={tmp_path / 'demo'}", "--workers=1"]
+    assert prep.main(args) == 0
+    capsys.readouterr()
+    def refuse(path, *_, **__):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(prep, "atomic_write", refuse)
+    assert prep.main(args) == 0
+    assert capsys.readouterr().out.startswith("done: ")
+
+
+def test_paths_in_errors_are_the_ones_the_user_gave(tmp_path, capsys):
+    """A file written under a missing folder, or over a folder: the message names that path, not the
+    hidden temporary file atomic_write writes first."""
+    (tmp_path / "a folder").mkdir()
+    for path in (tmp_path / "missing" / "results.json", tmp_path / "a folder"):
+        code = prep.run_main(lambda argv: prep.write_json(str(path), {}), [])
+        err = capsys.readouterr().err
+        assert_one_error_line(code, err, str(path))
+        assert ".tmp" not in err
+
+
+@pytest.mark.parametrize("env, phrase", [({"HF_ENDPOINT": "hf-mirror.com"}, "HF_ENDPOINT='hf-mirror.com' is not a URL"),
+                                         ({"TIKTOKEN_CACHE_DIR": "{file}"}, "TIKTOKEN_CACHE_DIR")])
+def test_an_unusable_environment_variable_is_named(tmp_path, env, phrase):
+    (tmp_path / "file").write_text("")
+    env = {k: v.format(file=tmp_path / "file") for k, v in env.items()}
+    dataset = [] if "HF_ENDPOINT" in env else ["--dataset=demo"]
+    r = run_script("prepare_data.py", *dataset, f"--out_dir={tmp_path / 'out'}", env=env)
+    assert_one_error_line(r.returncode, r.stderr, phrase)

@@ -1,5 +1,6 @@
 """sample.py: loading a run's model from its checkpoint, decoding, the command line, bad input."""
 import os
+import math
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +119,8 @@ def bad_inputs(tmp_path_factory):
                         "head.weight [384, 32]"),
         "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
                            "missing norm.weight"),
+        "nan weights": ([run_dir("n", state={**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)})],
+                        "norm.weight hold nan or inf"),
         "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
         "empty prompt file": ([good, f"--prompt_file={root / 'empty.txt'}"], "is empty"),
         "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "cannot read"),
@@ -139,7 +142,7 @@ def bad_inputs(tmp_path_factory):
 
 
 BAD = ["no folder", "no checkpoint", "corrupt", "zero bytes", "unknown config key", "bad config value",
-       "wrong shape", "missing weight", "bad tokenizer", "empty prompt file", "missing prompt file",
+       "wrong shape", "missing weight", "nan weights", "bad tokenizer", "empty prompt file", "missing prompt file",
        "prompt too long", "negative temperature", "infinite temperature", "seed too large", "fractional count",
        "top_p zero", "top_p above one", "negative top_k", "no samples", "unknown option", "bad flag", "no out_dir",
        "unusable device"] + (["device not built"] if not torch.backends.mps.is_available() else [])
