@@ -6,7 +6,6 @@
 """
 import codecs, math, os, sys, time, zipfile
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
@@ -64,8 +63,7 @@ def precision(device, bf16=None):
     on = torch.device(device).type == "cuda" if bf16 is None else bf16
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else nullcontext()
 
-def check_device(name):
-    """Refuse a --device this machine cannot use, in one line."""
+def check_device(name):  # a --device this machine cannot use is one line
     try:
         torch.empty(1, device=name)
     except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
@@ -74,14 +72,13 @@ def check_device(name):
         raise UserError(f"device {name!r} is not usable here ({reason}); try --device=cpu") from None
 
 class TextStream:
-    """Decoding token by token. A token may end inside a UTF-8 character (o200k has many single-byte tokens): the
-    decoder holds such bytes back until the character is whole; flush() gives an incomplete one as U+FFFD."""
+    """Token-by-token decoding: the bytes of a UTF-8 character split over tokens wait until it is whole."""
     def __init__(self, tokenizer):
         self.token_bytes = tokenizer.enc.decode_single_token_bytes
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     def push(self, token_id):
         return self.utf8.decode(self.token_bytes(token_id))
-    def flush(self):
+    def flush(self):  # an incomplete last character as U+FFFD
         return self.utf8.decode(b"", final=True)
 
 def parse_args(argv):
@@ -114,7 +111,8 @@ def parse_args(argv):
     check_device(args.device)
     if args.prompt_file:
         try:
-            args.prompt = Path(args.prompt_file).read_text(encoding="utf-8").removesuffix("\n")  # editors add one
+            with open(args.prompt_file, encoding="utf-8") as f:
+                args.prompt = f.read().removesuffix("\n")  # editors add one
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read --prompt_file {args.prompt_file}: {e}") from None
         if not args.prompt.strip():
