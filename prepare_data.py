@@ -10,7 +10,8 @@ Interrupted? Run the same command again: it resumes after the last complete shar
 Top to bottom: the command-line layer every script shares (bad input is one `error:` line), the shard
 format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). No torch here.
 """
-import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, socket, sys, sysconfig, tempfile, time
+import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, socket, sys
+import sysconfig, tempfile, time
 import urllib.parse
 from importlib import resources
 from pathlib import Path
@@ -26,9 +27,20 @@ class UserError(Exception):
 def print_error(e):
     print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, however many the message has
 
+def _interrupted(signum, frame):
+    print("\ninterrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+def quiet_interrupt():
+    """A script's first call, before it imports torch: Ctrl-C during those seconds is one line and status 130, as
+    run_main makes it afterwards (run_main puts Python's own handler back)."""
+    signal.signal(signal.SIGINT, _interrupted)
+
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
     one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
+    if signal.getsignal(signal.SIGINT) is _interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = command(argv)
     except UserError as e:

@@ -7,14 +7,15 @@
 import codecs, math, os, sys, time, zipfile
 from contextlib import nullcontext
 
+from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main, tokenizer_from_meta
+if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
+    quiet_interrupt()
 import torch
 
 from leviathan import Config, Model, generate
-from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, run_main, tokenizer_from_meta
 
 def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
-    """A train.py checkpoint holding `keys`, on the CPU whatever device saved it (each rank then copies the
-    weights to its own GPU), memory-mapped: only the tensors used are read, and ranks on a node share them."""
+    """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is read."""
     if not zipfile.is_zipfile(path):  # torch.save's format: an empty, cut-short or foreign file is no zip
         size = os.path.getsize(path)
         what = f"its {size:,} bytes are not in torch.save's format" if size else "it is empty"
@@ -67,8 +68,7 @@ def check_device(name):  # a --device this machine cannot use is one line
     try:
         torch.empty(1, device=name)
     except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
-        reason = str(e).splitlines()[0]
-        reason = reason if len(reason) <= 120 else "this torch was not built for it"  # not its list of backends
+        reason = next((r for r in str(e).splitlines()[:1] if len(r) <= 120), "this torch was not built for it")
         raise UserError(f"device {name!r} is not usable here ({reason}); try --device=cpu") from None
 
 class TextStream:

@@ -10,18 +10,15 @@ Every field of TrainConfig is an option, --name=value (a bare --flag means true)
 the tiny size's; --size=NAME sets the fields SIZES[NAME] names; an option given beats both.
 """
 import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time, zlib
-
-def interrupted_while_importing(signum, frame):
-    print("\ninterrupted", file=sys.stderr)
-    raise SystemExit(130)
-
-if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, as run_main makes it later
-    signal.signal(signal.SIGINT, interrupted_while_importing)
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from types import SimpleNamespace
 
 import numpy as np
+
+from prepare_data import quiet_interrupt
+if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
+    quiet_interrupt()
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
@@ -804,5 +801,4 @@ def main(argv):
 
 if __name__ == "__main__":
     # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(run_main(main, sys.argv[1:]))

@@ -647,9 +647,10 @@ def test_a_reader_that_goes_away_stops_the_run_saved_first(train_data, tmp_path,
     assert logged_losses(out) == reference_run
 
 
-def test_ctrl_c_while_torch_is_imported_is_one_line():
-    """SIGINT during train.py's imports (seconds of torch loading): one line and status 130."""
-    proc = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=HERE, env=SCRIPT_ENV,
+@pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "experiments.compare"]])
+def test_ctrl_c_while_torch_is_imported_is_one_line(command):
+    """SIGINT during a script's imports (seconds of torch loading): one line and status 130."""
+    proc = subprocess.Popen([sys.executable, *command, "--help"], cwd=HERE, env=SCRIPT_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     maps, deadline = f"/proc/{proc.pid}/maps", time.time() + 60
     if not os.path.exists(maps):
