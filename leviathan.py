@@ -169,8 +169,9 @@ class Config:
         check(0 < self.lev_sigmoid_scale < math.inf, "lev_sigmoid_scale", "must be > 0 and finite")
         check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
               "even-sized heads (rotary embeddings rotate pairs of dimensions)")
-        most = max(k for k in range(1, self.lev_digits + 1) if lev_base(self.vocab_size, k) ** (k - 1) < self.vocab_size)
-        check(most == self.lev_digits, "lev_digits", f"{self.vocab_size:,} ids have at most {most} digits "
+        V = self.vocab_size
+        most = max(k for k in range(1, self.lev_digits + 1) if lev_base(V, k) ** (k - 1) < V)  # more: a leading 0
+        check(most == self.lev_digits, "lev_digits", f"{V:,} ids have at most {most} digits "
               "(the leading ones would be 0 for every id)")
 
     @property
@@ -546,32 +547,27 @@ def seed_chunks(t, rank, multiple=1):
     return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
 
 
-def modes_from_groups(t, spline):
-    """(R) M = prod_d phi_d carried as mantissa * 2^exponent: sign * exp(sum_d log|phi_d|) exactly,
-    with no logarithm per factor and nothing to check. After each group's product, frexp moves the
-    running product's scale into the integer exponent, so no partial product leaves float32's range."""
-    seed_dim, heads, n = t.shape
-    group = max(g for g in range(1, 65) if seed_dim % g == 0)  # 64 mantissas: >= 2^-64, in range
-    mantissa = t.new_ones(heads, n, spline.shape[-1])
-    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-    bspline, products_of_groups, _ = kernels_for(t, spline)
-    index, values, _ = bspline(t, spline.shape[2])
-    for d in seed_chunks(t, spline.shape[-1], group):
-        mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
-        for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
-            mantissa, scale = torch.frexp(mantissa * group_mantissa)
-            exponent = exponent + scale + group_exponent
-    return torch.ldexp(mantissa, exponent)
-
-
 class SeparableProduct(torch.autograd.Function):
     """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
-    The backward makes phi again and writes q_d, which the matmul for dL/dS needs (with TF32 on,
-    that matmul rounds like the rest of the backward; phi and M never go through a matmul)."""
+    (R) M is carried as mantissa * 2^exponent: sign * exp(sum_d log|phi_d|) exactly, with no
+    logarithm per factor and nothing to check. The backward makes phi again and writes q_d, which
+    the matmul for dL/dS needs (with TF32 on, that matmul rounds like the rest of the backward)."""
 
     @staticmethod
     def forward(ctx, t, spline):
-        modes = modes_from_groups(t, spline)
+        seed_dim, heads, n = t.shape
+        group = max(g for g in range(1, 65) if seed_dim % g == 0)  # 64 mantissas: >= 2^-64, in range
+        mantissa = t.new_ones(heads, n, spline.shape[-1])
+        exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
+        bspline, products_of_groups, _ = kernels_for(t, spline)
+        index, values, _ = bspline(t, spline.shape[2])
+        for d in seed_chunks(t, spline.shape[-1], group):
+            mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
+            for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
+                # the running product's scale moves into the integer exponent: it never leaves float32's range
+                mantissa, scale = torch.frexp(mantissa * group_mantissa)
+                exponent = exponent + scale + group_exponent
+        modes = torch.ldexp(mantissa, exponent)
         ctx.save_for_backward(t, spline, modes)
         return modes
 
@@ -588,10 +584,7 @@ class SeparableProduct(torch.autograd.Function):
         return grad_t, grad_spline
 
 
-@torch.compiler.disable
-def separable_modes(t, spline):
-    """SeparableProduct, kept out of every compiled graph (see "What torch.compile sees")."""
-    return SeparableProduct.apply(t, spline)
+separable_modes = torch.compiler.disable(SeparableProduct.apply)  # out of every graph: "What torch.compile sees"
 
 
 # ---------------------------------------------------------------------------- the loss, chunked
