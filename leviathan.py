@@ -159,7 +159,8 @@ class Config:
         def check(ok, name, rule):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)}: {rule}")
-        check(self.embedding in EMBEDDINGS, "embedding", f"must be one of {', '.join(EMBEDDINGS)}")
+        if self.embedding not in EMBEDDINGS:
+            raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
         # LayerNorm needs 2 coordinates of z; the quadratic B-spline spans 3 knots (else every id embeds alike)
         for name, least in dict(vocab_size=2, d_model=2, n_layer=1, n_head=1, seq_len=1, lev_digits=1,
                                 lev_seed_dim=2, lev_heads=1, lev_knots=3, lev_rank=1).items():
@@ -212,8 +213,7 @@ def apply_rotary(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for generation:
-    each new token then costs one position of compute, not a rerun of the context."""
+    """Keys and values of the tokens seen so far, per layer: a new token costs one position, not a rerun."""
 
     def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
         shape = (n_layer, batch, n_head, max_len, head_dim)
@@ -336,10 +336,10 @@ class Model(nn.Module):
             return token_losses(x.flatten(0, 1), self.head.weight, targets.flatten()).view(targets.shape)
         return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten())
 
-    def new_cache(self, batch, device=None, dtype=None):
+    def new_cache(self, batch):
         p = self.head.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len,
-                       self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
+        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len, self.cfg.d_model // self.cfg.n_head,
+                       p.device, p.dtype)
 
     def compile(self, dynamic=None, **options):
         """torch.compile in place (same state_dict keys): "What torch.compile sees", the appendix."""
@@ -451,7 +451,7 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generato
         yield next_id
 
 
-# ========================================================================================================
+# ============================================================================
 # Appendix: speed and memory only (skip on a first reading). Nothing below changes what the model
 # computes: the tests hold each fast form to its plain one above, in value and gradient.
 
