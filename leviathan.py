@@ -2,18 +2,12 @@
 tiny continuous generator from token id to vector, with an untied output head.
 
 Paper: R. T. Batley and S. Saha, "Leviathan: Decoupling Input and Output Representations in
-Language Models", arXiv 2601.22040. The authors released no code; the details the paper leaves
-open are reconstructed, and each is flagged (R) where the choice is made (the README lists them
-with their reasons).
+Language Models", arXiv 2601.22040. The authors released no code: each detail the paper leaves
+open is reconstructed, flagged (R) where the choice is made, and given its reason there.
 
-Read top to bottom:
-    LEV, written as the method's equations (steps 1-4)
-    the configuration
-    the backbone, the loss, and the model with its three arms (lev / tied / untied)
-    generation
-    the fast path: LEV's product fused and exact, and what torch.compile sees (skip on a first reading)
-This file imports only torch: copy it into another project alone. The model sizes and training
-defaults are train.py's.
+Read top to bottom: LEV as the method's equations, the configuration, the backbone, the model with
+its three arms (lev / tied / untied), generation; then an appendix that exists only for speed and
+memory (skip it on a first reading). Imports only torch: copy this file alone. Sizes: train.py.
 """
 import math
 from dataclasses import dataclass
@@ -22,9 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-# -----------------------------------------------------------------------------
-# LEV: token id i -> E_i in R^D, as the method's equations
+# ---------------------------------------------------------------------------- LEV: token id i -> E_i in R^D
 
 
 def lev_base(vocab_size, digits):
@@ -53,30 +45,11 @@ def bspline_basis(t, knots):
     return beta / beta.sum(-1, keepdim=True)
 
 
-def id_bucket(n):
-    """How many rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power
-    of two (at most 25% more). The compiled generator then meets 4 shapes per doubling of n, not
-    a new one every batch: its kernels keep their block sizes (reproducible sums) and shapes
-    repeat, as CUDA graphs need. The extra rows get no gradient: no position gathers them."""
-    step = 1 << max(0, (n - 1).bit_length() - 3)
-    return -(-n // step) * step
-
-
-def distinct_ids(ids):
-    """(rows, inverse): the distinct ids, sorted and padded to id_bucket() rows (id 0 fills; no
-    position gathers it), and each position's row. torch.unique's output size is known only once
-    it has run: on a GPU, the host waits for the device there. Training calls this on the CPU,
-    where the batch starts, and ships both with it (train.py's to_batch), so no step waits."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    return F.pad(unique, (0, id_bucket(len(unique)) - len(unique))), inverse
-
-
 class LEV(nn.Module):
     """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
       -> per head l: t = sigmoid(LayerNorm_l(W_l z) / 2), phi_d = sum_m B_m(t_d) S_l[d, m]
       -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
-    generate_reference is these equations written out; generate is the same computation on
-    the fast path (the end of this file), and the tests hold the two together."""
+    generate_reference is these equations written out; generate, the same on the fast path."""
 
     def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64, sigmoid_scale=0.5):
         super().__init__()
@@ -99,14 +72,10 @@ class LEV(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        # (R) Init chosen so the product of d_seed=128 factors stays near 1: each
-        # phi_d is a convex mix of S entries around 1 (the basis sums to one), so
-        # log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0 nor inf.
-        # With W_out ~ N(0, 0.02/sqrt(h)) the entries of E_i have std ~0.23 at init, of
-        # which ~0.14 differs between tokens and the rest is a direction shared by all
-        # ids (V = 8192, D = 128; a test checks the range). The lookup-table
-        # arms start at the usual 0.02; every block normalises its input, so the scale only
-        # sets how much the embedding outweighs the first residual updates.
+        # (R) Init so the product of d_seed=128 factors stays near 1: each phi_d is a convex mix of
+        # S entries around 1, so log|phi_d| ~ N(0, 0.06^2) and M_l ~ exp(N(-0.2, 0.7^2)), neither 0
+        # nor inf; E_i's entries then have std ~0.23 (V = 8192, D = 128). Every block normalises
+        # its input, so E's scale only sets how much it outweighs the first residual updates.
         heads = self.seed_proj.shape[0]
         nn.init.normal_(self.codebooks, std=0.02)
         nn.init.normal_(self.seed_proj, std=0.02)
@@ -123,16 +92,15 @@ class LEV(nn.Module):
         z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
         u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
         u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
-        # 3b. (R) t = sigmoid(u / 2): the factor 1/2 is what a third-party reimplementation that quotes
-        # the paper's Sec. 3.1 computes (the README names it).
-        # With LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot intervals
-        # instead of ~6.9. sigmoid_scale=1 is the form without it (the CPU-scale study's first part).
+        # 3b. (R) t = sigmoid(u / 2), the 1/2 of the one reimplementation that cites the paper's
+        # Sec. 3.1: with LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot
+        # intervals instead of ~6.9. sigmoid_scale=1 is the form without it.
         return torch.sigmoid(self.sigmoid_scale * u)
 
     def generate_reference(self, ids):
-        """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations: B_m(t)
-        on every knot, phi by a plain matmul, M_l = sign * exp(sum_d log|phi_d|), all of B and phi
-        ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this one."""
+        """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations, with all
+        of B and phi ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this
+        one. (R) M_l in log space: a plain product of d_seed factors can leave float32's range."""
         t = self.coordinates(ids)  # 1-3b: [h, N, d_seed]
         basis = bspline_basis(t, self.knots)  # 3c: [h, N, d_seed, kappa]
         phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d: phi_d = sum_m B_m(t_d) S_l[d, m]
@@ -140,12 +108,10 @@ class LEV(nn.Module):
         return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: E_i = sum_l W_out_l M_l
 
     def generate(self, ids):
-        """generate_reference's E_i on the fast path: the product M_l (steps 3c-3e) by
-        separable_modes, which never writes phi and keeps M exact (mantissa x 2^exponent).
-
-        (R) LEV runs in float32, even under bf16 autocast: it is tiny in FLOPs, but a product of
-        d_seed factors each rounded to bf16's 8-bit mantissa loses most of its precision. The
-        output is float32, as an nn.Embedding lookup stays float32 under autocast."""
+        """generate_reference's E_i, its product M_l (steps 3c-3e) by separable_modes, which never
+        writes phi. (R) In float32, even under bf16 autocast: LEV is tiny in FLOPs, but a product of
+        d_seed factors each rounded to bf16's 8-bit mantissa loses most of its precision. The output
+        is float32, as an nn.Embedding lookup stays float32 under autocast."""
         with torch.autocast(ids.device.type, enabled=False):
             t = self.coordinates(ids).permute(2, 0, 1).contiguous()  # 1-3b: [d_seed, h, N]
             modes = separable_modes(t, self.spline)  # 3c-3e: M_l, [h, N, r]
@@ -153,25 +119,21 @@ class LEV(nn.Module):
 
     @torch.compiler.disable
     def forward(self, ids, distinct=None):
-        """ids of any shape -> [..., D]. LEV depends only on the id, so it is evaluated once per
-        *distinct* id in the batch and gathered back: a batch of 262k tokens has only ~30k
-        distinct o200k ids. Their number changes every batch, so this stays outside
-        torch.compile, and the backbone after it always sees [B, T, D]. distinct: the ids'
-        distinct_ids(), when the caller has made them already (training does, on the CPU)."""
+        """ids of any shape -> [..., D]. LEV depends only on the id, so it runs once per *distinct*
+        id of the batch (~30k in 262k o200k tokens), then is gathered back. distinct: the ids'
+        distinct_ids(), when the caller has made them (training does, on the CPU)."""
         rows, inverse = distinct if distinct is not None else distinct_ids(ids)
         # F.embedding, not generate(rows)[inverse]: bit-exact gradients (see coordinates)
         return F.embedding(inverse, self.generate(rows))
 
     @torch.no_grad()
     def as_table(self, chunk=1024):
-        """Evaluate LEV for the whole vocabulary, in chunks so memory stays bounded:
-        at inference LEV becomes an ordinary [V, D] lookup table."""
+        """LEV for the whole vocabulary, in chunks: at inference, an ordinary [V, D] lookup table."""
         ids = torch.arange(self.vocab_size, device=self.out_proj.device)
         return torch.cat([self.generate(c) for c in ids.split(chunk)])
 
 
-# -----------------------------------------------------------------------------
-# Configuration
+# ---------------------------------------------------------------------------- configuration
 
 EMBEDDINGS = ("lev", "tied", "untied")  # Leviathan | the paper's baseline | the ablation it lacks
 
@@ -194,32 +156,24 @@ class Config:
 
     def __post_init__(self):
         """Refuse shapes that would crash later or train something that is not the method."""
+        def check(ok, name, rule):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)}: {rule}")
         if self.embedding not in EMBEDDINGS:
             raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
-        for name, least, why in [("vocab_size", 2, "a vocabulary"), ("d_model", 2, "a model width"),
-                                 ("n_layer", 1, "a block"), ("n_head", 1, "an attention head"),
-                                 ("seq_len", 1, "a position"), ("lev_digits", 1, "a digit"),
-                                 ("lev_seed_dim", 2, "LayerNorm over z's coordinates"),
-                                 ("lev_heads", 1, "a LEV head"),
-                                 ("lev_knots", 3, "the quadratic B-spline spans three knots; with one, "
-                                                  "every id gets the same embedding"),
-                                 ("lev_rank", 1, "a mode")]:
+        # LayerNorm needs 2 coordinates of z; the quadratic B-spline spans 3 knots (else every id embeds alike)
+        for name, least in dict(vocab_size=2, d_model=2, n_layer=1, n_head=1, seq_len=1, lev_digits=1,
+                                lev_seed_dim=2, lev_heads=1, lev_knots=3, lev_rank=1).items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name}={value}: must be an integer >= {least} ({why})")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta}: must be > 0 (the rotary base)")
-        if not (isinstance(self.lev_sigmoid_scale, (int, float)) and 0 < self.lev_sigmoid_scale < math.inf):
-            raise ValueError(f"lev_sigmoid_scale={self.lev_sigmoid_scale}: must be > 0 and finite "
-                             "(0 would give every id the same t)")
-        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
-            raise ValueError(f"d_model={self.d_model} must split into n_head={self.n_head} even-sized heads "
-                             "(rotary embeddings rotate pairs of dimensions)")
-        base = lev_base(self.vocab_size, self.lev_digits)
-        if base ** (self.lev_digits - 1) >= self.vocab_size:  # the leading digit of every id is 0
-            most = max(k for k in range(1, self.lev_digits) if lev_base(self.vocab_size, k) ** (k - 1) < self.vocab_size)
-            raise ValueError(f"lev_digits={self.lev_digits}: {self.vocab_size:,} ids have at most {most} digits "
-                             "(the leading ones would be 0 for every id)")
+            check(isinstance(value, int) and value >= least, name, f"must be an integer >= {least}")
+        check(self.rope_theta > 0, "rope_theta", "must be > 0 (the rotary base)")
+        check(0 < self.lev_sigmoid_scale < math.inf, "lev_sigmoid_scale", "must be > 0 and finite")
+        check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
+              "even-sized heads (rotary embeddings rotate pairs of dimensions)")
+        V = self.vocab_size
+        most = max(k for k in range(1, self.lev_digits + 1) if lev_base(V, k) ** (k - 1) < V)  # more: a leading 0
+        check(most == self.lev_digits, "lev_digits", f"{V:,} ids have at most {most} digits "
+              "(the leading ones would be 0 for every id)")
 
     @property
     def ffn_dim(self):
@@ -228,13 +182,11 @@ class Config:
 
 
 def padded_vocab(n_ids):
-    """Round the tokenizer's id count up to a multiple of 128 (tensor-core friendly).
-    The padding rows are never targets and are masked out when sampling."""
+    """The id count rounded up to a multiple of 128 (tensor cores); padding ids are never sampled."""
     return -(-n_ids // 128) * 128
 
 
-# -----------------------------------------------------------------------------
-# The backbone: LLaMA-style pre-norm Transformer, no biases
+# ---------------------------------------------------------------------------- the backbone: LLaMA-style, no biases
 
 
 class RMSNorm(nn.Module):
@@ -246,10 +198,10 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, x.shape[-1:], self.weight, eps=1e-6)
 
 
-def rotary_tables(seq_len, head_dim, theta, device=None):
+def rotary_tables(seq_len, head_dim, theta):
     """cos/sin of the rotation angle pos * theta^(-2j/head_dim), each [seq_len, head_dim/2]."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len).float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -261,8 +213,7 @@ def apply_rotary(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for generation:
-    each new token then costs one position of compute, not a rerun of the context."""
+    """Keys and values of the tokens seen so far, per layer: a new token costs one position, not a rerun."""
 
     def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
         shape = (n_layer, batch, n_head, max_len, head_dim)
@@ -321,126 +272,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-# -----------------------------------------------------------------------------
-# The loss: cross-entropy through the head without the [tokens, V] logits
-
-# Positions per chunk of the loss: chunk * V float32 logits (1 GiB) at a time, e.g. 1,341
-# positions at V = 200k (7 chunks for a 16 x 512 micro-batch) and any micro-batch at the tiny
-# preset's V = 8,192. Fewer, larger chunks: each one adds a pass over the [V, D] gradient of W.
-LOSS_CHUNK_LOGITS = 1 << 28
-
-
-def loss_chunks(n, vocab_size):
-    step = max(1, LOSS_CHUNK_LOGITS // vocab_size)
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
-
-
-def head_dtype(x, weight):
-    """The dtype the head's matmul runs in: the autocast dtype when autocast is on
-    (bf16 on GPU), else the weight's. Cast once, not once per chunk."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-
-
-@torch.no_grad()
-def token_losses(x, weight, targets):
-    """Per-token cross-entropy (nats) of logits = x W^T, for evaluation: [N, D] -> [N]."""
-    w = weight.to(head_dtype(x, weight))
-    return torch.cat([F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
-                      for c in loss_chunks(len(x), len(w))])
-
-
-def linear_cross_entropy(x, weight, targets):
-    """Mean cross-entropy of logits = x W^T, chunk by chunk over positions.
-
-    Materialised whole, the logits, their log-softmax and their gradient are three float32
-    [N, V] tensors: ~20 GB for one 8,192-token micro-batch at V = 200k. Here each chunk's
-    logits live only long enough to give its loss and, at once, the gradients
-    dL/dx = G W and dL/dW = G^T x with G = (softmax - onehot) / N; backward only scales
-    them by the incoming gradient. Same arithmetic as autograd, one chunk of logits at a time."""
-    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
-
-
-def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                 with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads."""
-    n = len(x)
-    w = weight.to(dtype)
-    total = torch.zeros((), device=x.device)
-    grad_x = torch.empty_like(x) if with_grads else x.new_empty(0)
-    grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grads else x.new_empty(0)
-    for c in loss_chunks(n, len(w)):
-        total += chunk_cross_entropy(x[c].to(w.dtype), w, targets[c], n, grad_x[c] if with_grads else None, grad_w)
-    return total / n, grad_x, grad_w
-
-
-def chunk_cross_entropy(x_c, w, target_c, n, grad_x_c, grad_w):
-    """One chunk: its summed loss, and (given grad_x_c) its share of dL/dx written there and of
-    dL/dW added to grad_w. A function of its own so that the chunk's [chunk, V] logits are freed
-    before the next chunk's are made; G is made in place of the logits, so one [chunk, V] in the
-    head's dtype is all a chunk holds (and, on the plain path, a float32 copy when that is bf16)."""
-    logits = F.linear(x_c, w)  # z = x W^T, [chunk, V]
-    loss = softmax_step(logits)(logits, target_c, n)  # softmax_gradient_ (or its fused form): logits now hold G
-    if grad_x_c is None:
-        return loss
-    g = logits
-    grad_x_c.copy_(g @ w)
-    if g.dtype == grad_w.dtype:
-        grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
-    else:
-        grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
-    return loss
-
-
-def softmax_gradient_(logits, targets, n):
-    """The loss's elementwise work on one chunk, in place: the logits z [chunk, V] become
-    G = (softmax(z) - onehot) / n, dLoss/dz for the mean over n positions; returns the chunk's
-    summed loss, sum(logsumexp(z) - z_target). In float32, whatever the logits' dtype."""
-    z = logits.float()  # float32 logits: z is the logits themselves, and every step is in place
-    top = z.amax(-1, keepdim=True)
-    target_z = z.gather(1, targets[:, None])
-    exps = z.sub_(top).exp_()  # exp(z - max): nothing overflows
-    sums = exps.sum(-1, keepdim=True)
-    loss = (sums.log() + top - target_z).sum()
-    g = exps.div_(sums * n)
-    g.scatter_add_(1, targets[:, None], torch.full_like(target_z, -1.0 / n))  # - onehot / n
-    logits.copy_(g)  # back into the logits' dtype (float32: a copy onto itself, skipped)
-    return loss
-
-
-# chunked_loss as a custom operator, so that torch.compile treats the loss as one opaque call: traced,
-# its loop would be unrolled and inductor would keep a [V, D] partial of dL/dW per chunk alive (~0.8 GB
-# each in bf16 at 1.2b), so the memory would depend on how many chunks the micro-batch makes.
-chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss, mutates_args=())
-
-
-@chunked_cross_entropy.register_fake
-def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the compiler
-    empty = x.new_empty(0)
-    return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if with_grads else empty,
-            torch.empty_like(weight, dtype=torch.float32) if with_grads else empty)
-
-
-def save_gradients(ctx, inputs, output):
-    ctx.weight_dtype = inputs[1].dtype
-    ctx.save_for_backward(*output[1:])
-    # The gradient outputs are never used downstream: without this, autograd would hand backward a
-    # float32 [V, D] of zeros for them at every step.
-    ctx.set_materialize_grads(False)
-
-
-def scale_gradients(ctx, grad_loss, *_):
-    """Backward of chunked_cross_entropy: the gradients forward computed, times dLoss."""
-    grad_x, grad_w = ctx.saved_tensors
-    return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
-
-
-chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_gradients)
-
-
-# -----------------------------------------------------------------------------
-# The model: input embedding (one of three arms) -> blocks -> RMSNorm -> head
+# ---------------------------------------------------------------------------- the model: embedding -> blocks -> head
 
 
 class Model(nn.Module):
@@ -464,14 +296,11 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """Explicit init, chosen per arm.
-        - Matrices N(0, 0.02); the two residual outputs per block (attn.proj, mlp.down)
-          scaled by 1/sqrt(2 n_layer) so the residual stream does not grow with depth.
-        - tied: the shared table N(0, 0.02) serves both sides, as in GPT-2.
-        - untied / lev: the head starts at zero, so the first prediction is uniform
-          (loss = ln V) and the head is not tied to random noise it must first unlearn;
-          gradients reach the backbone from step 2 on (modded-nanogpt does the same).
-          The untied table keeps N(0, 0.02) so both lookup arms start alike."""
+        """Matrices N(0, 0.02), the two residual outputs per block (attn.proj, mlp.down) scaled by
+        1/sqrt(2 n_layer) so the residual stream does not grow with depth. tied: the shared table
+        N(0, 0.02) serves both sides, as in GPT-2. untied / lev: the head starts at zero, so the
+        first prediction is uniform (loss = ln V) and the head has no random noise to unlearn;
+        the untied table keeps N(0, 0.02), so both lookup arms start alike."""
         for name, p in self.named_parameters():
             if name.startswith("lev.") or p.dim() < 2:
                 continue  # LEV inits itself; norm weights stay at 1
@@ -486,10 +315,9 @@ class Model(nn.Module):
         return self.lev(idx, distinct) if self.cfg.embedding == "lev" else self.embed(idx)
 
     def forward(self, idx, targets=None, cache=None, reduction="mean", distinct=None):
-        """idx [B, T] -> float32 logits [B, T, V] for every position. With targets, the
-        cross-entropy instead (the mean, or per token [B, T] with reduction="none"),
-        computed chunk by chunk so the full-vocabulary logits never exist at once.
-        distinct: distinct_ids(idx), made by the caller (LEV only; see LEV.forward)."""
+        """idx [B, T] -> float32 logits [B, T, V] for every position; with targets, the cross-entropy
+        instead (the mean, or per token [B, T] with reduction="none"). distinct: distinct_ids(idx),
+        made by the caller (LEV only; see LEV.forward)."""
         start = cache.length if cache is not None else 0
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"{start + idx.shape[1]} positions exceed seq_len={self.cfg.seq_len}")
@@ -503,18 +331,18 @@ class Model(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.head(x).float()
+        # cross-entropy of the head's logits, chunked so that the [tokens, V] logits never exist: see the end
         if reduction == "none":
             return token_losses(x.flatten(0, 1), self.head.weight, targets.flatten()).view(targets.shape)
         return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten())
 
-    def new_cache(self, batch, device=None, dtype=None):
+    def new_cache(self, batch):
         p = self.head.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len,
-                       self.cfg.d_model // self.cfg.n_head, device or p.device, dtype or p.dtype)
+        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len, self.cfg.d_model // self.cfg.n_head,
+                       p.device, p.dtype)
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place (state_dict keys unchanged), LEV's generator on its own; what is
-        compiled and what is not: "What torch.compile sees", at the end of this file."""
+        """torch.compile in place (same state_dict keys): "What torch.compile sees", the appendix."""
         if self.cfg.embedding == "lev":
             compile_lev(self.lev, **options)
         nn.Module.compile(self, dynamic=dynamic, **options)
@@ -536,21 +364,18 @@ class Model(nn.Module):
                 "total": count(embed) + backbone + head}
 
     def flops_per_token(self):
-        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight
-        of the backbone and head (LEV runs once per distinct id and a lookup is free),
-        plus attention's QK^T and AV: 12 * n_layer * d_model * seq_len."""
+        """Training FLOPs per token: 6 per backbone and head weight (LEV runs once per distinct id, a
+        lookup is free), plus attention's QK^T and AV, 12 n_layer D seq_len."""
         counts = self.param_counts()
         matmul_params = counts["backbone"] + self.head.weight.numel()
         return 6 * matmul_params + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.seq_len
 
     def configure_optimizers(self, lr, weight_decay, betas=(0.9, 0.95), fused=False, lr_input=1.0, lr_head=1.0):
-        """AdamW with three kinds of parameters, each group carrying an `lr_scale` that the
-        training loop multiplies into the scheduled rate:
+        """AdamW; the training loop multiplies each group's `lr_scale` into the scheduled rate.
         - backbone: matrices decayed, norm weights (scales) not; lr_scale 1.
-        - input side (LEV or the untied table): lr_scale lr_input, no decay. LEV's output is
-          a product of 128 factors near 1, so one step on every factor moves log M_l ~128
-          times as far and decay would shrink M_l exponentially; a rare token's table row
-          gets few gradients and decay would erase it between them.
+        - input side (LEV or the untied table): lr_scale lr_input, no decay. LEV's output is a product
+          of 128 factors near 1, so decay would shrink M_l exponentially; a rare token's table row
+          gets few gradients, and decay would erase it between them.
         - untied head: lr_scale lr_head, decayed. It starts at zero and wants a higher rate.
         The tied table is both input and head: one group, decayed, lr_scale lr_input."""
         tied = self.cfg.embedding == "tied"
@@ -568,8 +393,7 @@ class Model(nn.Module):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
 
-# -----------------------------------------------------------------------------
-# Generation: the next token from the logits, and a sample token by token
+# ---------------------------------------------------------------------------- generation
 
 
 def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_valid=None):
@@ -605,11 +429,10 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=
 
 def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
     device, seq_len = model.head.weight.device, model.cfg.seq_len
-    # Context policy: the model sees at most seq_len tokens, tokens[start:]. When one more
-    # would not fit, the window jumps to the last seq_len // 2 tokens. Cached keys carry
-    # their rotary positions, so a window that slid by one token would need a full
-    # re-read at every step (no faster than no cache); jumping by half re-reads seq_len/2
-    # tokens once per seq_len/2 new ones, about one extra position per token.
+    # The model sees at most seq_len tokens, tokens[start:]; when one more would not fit, the window
+    # jumps to the last seq_len // 2. Cached keys carry their rotary positions, so a window sliding
+    # by one token would re-read it all at every step (no faster than no cache); jumping by half
+    # re-reads seq_len/2 tokens once per seq_len/2 new ones, about one extra position per token.
     keep = max(1, seq_len // 2)
     start, cache = 0, None
     for _ in range(max_new_tokens):
@@ -628,43 +451,51 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generato
         yield next_id
 
 
-# =============================================================================
-# Fast path: skip on a first reading
-#
-# LEV.generate's steps 3c-3e: the arithmetic of generate_reference without its cost. Written
-# out, those steps keep a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r] for the
-# backward: ~1 GB for a few hundred ids at the paper's sizes. Here:
-# - only the 3 non-zero B_m(t_d) are made (bspline_nonzero), once per call, as small planes;
-# - phi_d mixes the 3 rows of S around t_d's nearest knot with float32 multiply-adds, no matmul,
-#   so it is exact float32 on any device (group_products);
-# - phi is never written to memory: compiled into one fused kernel (C++ on a CPU, Triton on a
-#   GPU), each phi_d lives in registers and goes straight into its group's product; the backward
-#   (product_gradients) makes phi again from t. Only t, S and M are saved;
-# - (R) the product of d_seed factors is carried as mantissa x 2^exponent (modes_from_groups), so
-#   it can neither under- nor overflow: the same product as sign * exp(sum_d log|phi_d|) without a
-#   logarithm per factor, and nothing to check (no wait for a GPU);
-# - the coordinates are worked through in chunks (seed_chunks), so memory stays bounded.
-# The tests hold this path to generate_reference in value and gradient.
+# ============================================================================
+# Appendix: speed and memory only (skip on a first reading). Nothing below changes what the model
+# computes: the tests hold each fast form to its plain one above, in value and gradient.
 
-# -----------------------------------------------------------------------------
-# Steps 3c-3e, fused and exact
+# ---------------------------------------------------------------------------- distinct ids
+
+
+def id_bucket(n):
+    """Rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power of two (<= 25%
+    more), so the compiled generator meets 4 shapes per doubling of n, not a new one every batch,
+    and sums in the same block sizes whenever a size comes back. Extra rows get no gradient."""
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def distinct_ids(ids):
+    """(rows, inverse): the distinct ids, sorted and padded to id_bucket() rows with id 0, and each
+    position's row. torch.unique's output size is known only once it has run (on a GPU the host
+    waits for the device there), so training calls this on the CPU, where the batch starts."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    return F.pad(unique, (0, id_bucket(len(unique)) - len(unique))), inverse
+
+
+# ---------------------------------------------------------------------------- LEV's steps 3c-3e, fused
+# Written out, they keep a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r] for the
+# backward: ~1 GB for a few hundred ids at the paper's sizes. Here only the 3 non-zero B_m(t_d)
+# are made; phi_d mixes 3 rows of S (float32 multiply-adds, exact on any device) in registers, and
+# the backward makes it again from t; only t, S and M are saved.
 
 
 def bspline_nonzero(t, knots):
-    """Step 3c, the non-zero part. beta has support |x| < 1.5, so of B_m(t) = beta((t - g_m)(kappa - 1))
-    only the knot c nearest to t and its two neighbours are non-zero: with f = t (kappa - 1) - c
-    in [-0.5, 0.5], beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2.
-    Returns three [3, ...] tensors, one plane j for each of the knots c - 1, c, c + 1: the index m
-    (int32, clamped into [0, kappa)), B_m(t) and the slope dB_m/dt (for the backward pass)."""
+    """Step 3c, the non-zero part: beta vanishes for |x| >= 1.5, so only the knot nearest to t and
+    its two neighbours have B_m(t) > 0. With f = t (kappa - 1) - nearest in [-0.5, 0.5] these are
+    beta(f + 1) = (0.5 - f)^2 / 2, beta(f) = 0.75 - f^2, beta(f - 1) = (0.5 + f)^2 / 2. Returns, one
+    plane per knot (nearest - 1, nearest, nearest + 1): its index m (int32), B_m(t) and dB_m/dt."""
     position = t * (knots - 1)
     nearest = position.round()
     f = position - nearest
-    # beta = a + b f + c f^2, one row per neighbour; the neighbours lead, so each plane is contiguous
-    a, b, c = torch.tensor([[0.125, -0.5, 0.5], [0.75, 0.0, -1.0], [0.125, 0.5, 0.5]], dtype=t.dtype,
-                           device=t.device).view(3, 3, *[1] * t.dim()).unbind(1)
+    # the three planes' beta as constant + linear * f + square * f^2
+    constant, linear, square = [torch.tensor(plane, dtype=t.dtype, device=t.device).view(3, *[1] * t.dim())
+                                for plane in ([0.125, 0.75, 0.125], [-0.5, 0.0, 0.5], [0.5, -1.0, 0.5])]
     neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
     inside = (neighbours >= 0) & (neighbours < knots)
-    values, slopes = (a + b * f + c * f**2) * inside, (b + 2 * c * f) * inside * (knots - 1)
+    values = (constant + linear * f + square * f**2) * inside
+    slopes = (linear + 2 * square * f) * inside * (knots - 1)
     # (R) Normalised as in bspline_basis: at the two end knots a neighbour falls outside [0, kappa).
     total = values.sum(0)
     values = values / total
@@ -672,59 +503,39 @@ def bspline_nonzero(t, knots):
     return neighbours.clamp_(0, knots - 1).int(), values, slopes
 
 
-def knot_rows(spline, index):
-    """S_l[d, m] at the 3 knots m = index[j] of each (d, l, n): three [d, h, N, r] tensors.
-    Compiled, they are indirect loads inside the kernel and never written to memory."""
+def mixed_rows(spline, index, *weights):
+    """sum_j w[j] S_l[d, index[j]], [d, h, N, r], for each w of weights (B_m(t_d): phi_d; dB_m/dt_d:
+    dphi_d/dt_d). Compiled, the rows of S are loads inside the kernel, never written to memory."""
     heads, seed_dim = spline.shape[:2]
     d = torch.arange(seed_dim, device=index.device).view(-1, 1, 1)
     head = torch.arange(heads, device=index.device).view(1, -1, 1)
-    return [spline[head, d, index[j]] for j in range(3)]
-
-
-def mix_rows(rows, weights):
-    """sum_j weights[j] * rows[j]: phi_d with the B-spline values as weights, dphi_d/dt_d with
-    their slopes; three float32 multiply-adds per element."""
-    return sum(row * weights[j, ..., None] for j, row in enumerate(rows))
-
-
-# The two kernels below take the B-spline planes of bspline_nonzero, made once per call for all
-# of t (a small [3, d, h, N]), rather than t: made inside, the knot index would be worked out
-# again for every r-vector of phi, which costs LEV's forward + backward 4-10% more on a CPU.
+    rows = [spline[head, d, index[j]] for j in range(3)]
+    return [sum(row * w[j, ..., None] for j, row in enumerate(rows)) for w in weights]
 
 
 def group_products(index, values, spline, group):
-    """Steps 3d and part of 3e for a chunk of coordinates, S [h, d, kappa, r]: phi_d =
-    sum_m B_m(t_d) S_l[d, m] as 3 float32 multiply-adds (only 3 B_m are non-zero; no dense basis,
-    no matmul, so exact float32 on any device), multiplied over groups of `group` consecutive
-    coordinates as mantissa and exponent: phi_d = m_d 2^(e_d) with |m_d| in [0.5, 1) (frexp), and
-    the group's product is (prod_d m_d) 2^(sum_d e_d), two [d / group, h, N, r] tensors. A product
-    of g <= 126 such mantissas never leaves float32's normal range, whatever phi is, so each of
-    its partial products rounds exactly as a plain float32 product of the phi_d would, had that
-    one stayed in range. Compiled (Fused, below), phi lives in registers only. On a CPU, where
-    inductor's C++ calls frexp one element at a time, this costs more than a plain product whose
-    range is checked afterwards; but that check would make a GPU wait for its result at every
-    call, where frexp is a few instructions per element."""
-    mantissas, exponents = torch.frexp(mix_rows(knot_rows(spline, index), values))
+    """Steps 3d and part of 3e for a chunk of coordinates: phi_d = m_d 2^(e_d), |m_d| in [0.5, 1)
+    (frexp), and per group of `group` coordinates (prod_d m_d, sum_d e_d). A product of <= 126 such
+    mantissas stays in float32's range, so it rounds as a plain product would had that stayed in
+    range; checking a plain product's range instead would make a GPU wait."""
+    (phi,) = mixed_rows(spline, index, values)
+    mantissas, exponents = torch.frexp(phi)
     return mantissas.unflatten(0, (-1, group)).prod(1), exponents.unflatten(0, (-1, group)).sum(1)
 
 
 def product_gradients(index, values, slopes, spline, grad_times_modes):
     """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
-    q_d = dL/dphi_d = G M / phi_d (dM/dphi_d = M / phi_d), dL/dt_d = <q_d, dphi_d/dt_d>
-    (dphi_d/dt_d = sum_m dB_m/dt_d S_l[d, m], reduced over r as it is made), and the dense
-    basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
-    rows = knot_rows(spline, index)
-    phi, phi_slope = mix_rows(rows, values), mix_rows(rows, slopes)
+    q_d = dL/dphi_d = G M / phi_d, dL/dt_d = <q_d, dphi_d/dt_d> (reduced over r as it is made), and
+    the dense basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
+    phi, phi_slope = mixed_rows(spline, index, values, slopes)
     q = grad_times_modes / phi
     knots = torch.arange(spline.shape[2], device=index.device)
     basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
     return q, (q * phi_slope).sum(-1), basis
 
 
-# LEV works on a chunk of seed coordinates at a time, at most this many floats of phi (or one
-# group of coordinates if that is more), so its memory stays bounded. On a CPU, 4 MB: the
-# backward's q_d (below) is still in cache when the matmul reads it. On a GPU, 256 MB: there
-# each chunk costs kernel launches, and at 1.2b one coordinate's q_d is ~3 MB.
+# Floats of phi per chunk of seed coordinates. CPU, 4 MB: the backward's q_d is still in cache
+# when the matmul reads it. GPU, 256 MB: each chunk costs kernel launches.
 CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
 
 
@@ -736,45 +547,27 @@ def seed_chunks(t, rank, multiple=1):
     return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
 
 
-def product_group(seed_dim):
-    """How many factors group_products multiplies in one go: the largest divisor of d_seed <= 64
-    (a product of 64 mantissas is >= 2^-64, well inside float32's normal range, >= 2^-126)."""
-    return max(g for g in range(1, 65) if seed_dim % g == 0)
-
-
-def modes_from_groups(t, spline):
-    """M = prod_d phi_d as mantissa * 2^exponent with |mantissa| in [0.5, 1): each group's
-    product comes as mantissa and exponent (group_products), and after multiplying it in,
-    frexp moves the running product's scale into the integer exponent, so no partial product
-    leaves float32's normal range however many factors M has."""
-    seed_dim, heads, n = t.shape
-    group = product_group(seed_dim)
-    mantissa = t.new_ones(heads, n, spline.shape[-1])
-    exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-    bspline, products_of_groups, _ = kernels_for(t, spline)
-    index, values, _ = bspline(t, spline.shape[2])
-    for d in seed_chunks(t, spline.shape[-1], group):
-        mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
-        for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
-            mantissa, scale = torch.frexp(mantissa * group_mantissa)
-            exponent = exponent + scale + group_exponent
-    return torch.ldexp(mantissa, exponent)
-
-
 class SeparableProduct(torch.autograd.Function):
     """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
-
-    phi, [d_seed, h, N, r], is LEV's one big tensor, and it is never written: the fused forward
-    multiplies each phi_d into a group product as it is made, and the backward makes it again
-    from t. Only t, S and M are saved.
-
-    Backward (product_gradients, a chunk of coordinates at a time): q_d is written, as the
-    matmul for dL/dS needs it (with TF32 on, that matmul rounds like the rest of the
-    backward; phi and M never go through a matmul)."""
+    (R) M is carried as mantissa * 2^exponent: sign * exp(sum_d log|phi_d|) exactly, with no
+    logarithm per factor and nothing to check. The backward makes phi again and writes q_d, which
+    the matmul for dL/dS needs (with TF32 on, that matmul rounds like the rest of the backward)."""
 
     @staticmethod
     def forward(ctx, t, spline):
-        modes = modes_from_groups(t, spline)
+        seed_dim, heads, n = t.shape
+        group = max(g for g in range(1, 65) if seed_dim % g == 0)  # 64 mantissas: >= 2^-64, in range
+        mantissa = t.new_ones(heads, n, spline.shape[-1])
+        exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
+        bspline, products_of_groups, _ = kernels_for(t, spline)
+        index, values, _ = bspline(t, spline.shape[2])
+        for d in seed_chunks(t, spline.shape[-1], group):
+            mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
+            for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
+                # the running product's scale moves into the integer exponent: it never leaves float32's range
+                mantissa, scale = torch.frexp(mantissa * group_mantissa)
+                exponent = exponent + scale + group_exponent
+        modes = torch.ldexp(mantissa, exponent)
         ctx.save_for_backward(t, spline, modes)
         return modes
 
@@ -791,64 +584,151 @@ class SeparableProduct(torch.autograd.Function):
         return grad_t, grad_spline
 
 
-@torch.compiler.disable
-def separable_modes(t, spline):
-    """SeparableProduct, kept out of every compiled graph (see "What torch.compile sees")."""
-    return SeparableProduct.apply(t, spline)
+separable_modes = torch.compiler.disable(SeparableProduct.apply)  # out of every graph: "What torch.compile sees"
 
 
-# -----------------------------------------------------------------------------
-# What torch.compile sees: every decision, in one place
-#
-# 1. The product's three kernels (bspline_nonzero, group_products, product_gradients) are
-#    compiled on their own, whether or not the model is (Fused, below): phi stays in registers
-#    only if they are. A call with fewer than FUSE_MIN_FLOATS floats of phi (a test-sized LEV)
-#    runs them eagerly: compiling costs seconds, once per process, which such a call never repays.
-# 2. separable_modes, which calls them, stays out of every other graph (torch.compiler.disable):
-#    traced, its backward's rebuilt phi would be merged with the forward's, and phi saved after all.
-# 3. LEV.forward stays out too (torch.compiler.disable): torch.unique's output
-#    size changes with every batch, and the backbone after it should see one shape.
-# 4. Model.compile: the model in place (backbone, head, loss), and LEV.generate on
-#    its own for any number of ids (compile_lev, dynamic=True), which fuses the small steps around
-#    the product.
-# 5. The loss is one opaque call of its custom operator in the model's graph (its chunk loop would
-#    be unrolled otherwise, see chunked_cross_entropy); inside it, on a GPU, each chunk's softmax
-#    and gradient are compiled on their own (fused_softmax_gradient_: three kernels, two of them
-#    over [chunk, V]; dynamic=True, as the last chunk is shorter), whether or not the model is.
+# ---------------------------------------------------------------------------- the loss, chunked
+# Whole, logits, log-softmax and gradient are three float32 [N, V]: ~20 GB for 8,192 tokens at
+# V = 200k. A chunk's logits give its loss and, at once, dL/dx = G W and dL/dW = G^T x with
+# G = (softmax - onehot) / N; backward only scales them by dLoss.
 
-FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits, below which a call runs eagerly (1., 5.)
+LOSS_CHUNK_LOGITS = 1 << 28  # 1 GiB of float32 logits per chunk; fewer chunks, fewer passes over dL/dW
 
 
-# What a failure of compiling itself arrives as (torch 2.4-2.13: torch/_dynamo/exc.py,
-# torch/_inductor/exc.py), raised before the compiled kernel runs: BackendCompilerFailed, dynamo's
-# wrapper around whatever inductor raised (no C++ compiler: InvalidCxxCompiler; a failing one:
-# CppCompileError; a Triton compile error), in newer torch as its subclass InductorError;
-# ShortenTraceback, their base in newer torch, which also carries TritonMissing and
-# GPUTooOldForTriton (an unsupported GPU) unwrapped; Unsupported and InternalTorchDynamoError,
-# dynamo refusing or failing to trace fn; FailOnRecompileLimitHit, the recompile limit hit under
-# fullgraph=True (torch 2.4 raised Unsupported there). By name, as an older torch lacks some
-# (torch._dynamo is loaded: torch.compiler.disable above). Not caught: what the kernel raises as it runs (out of
-# memory, an index out of bounds, a device-side assert, a Triton launch error), a fault to see,
-# not a reason to run LEV ~6x slower from then on.
+def loss_chunks(n, vocab_size):
+    step = max(1, LOSS_CHUNK_LOGITS // vocab_size)
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def head_dtype(x, weight):
+    """The head's matmul dtype: autocast's when on (bf16 on GPU), else the weight's; cast once."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+@torch.no_grad()
+def token_losses(x, weight, targets):
+    """Per-token cross-entropy (nats) of logits = x W^T, for evaluation: [N, D] -> [N]."""
+    w = weight.to(head_dtype(x, weight))
+    return torch.cat([F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
+                      for c in loss_chunks(len(x), len(w))])
+
+
+def linear_cross_entropy(x, weight, targets):
+    """Mean cross-entropy of logits = x W^T, chunk by chunk over positions."""
+    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
+
+
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                 with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads. G is made over
+    each chunk's logits: a chunk holds one [chunk, V] in dtype (+ a float32 copy if that is bf16)."""
+    n = len(x)
+    w = weight.to(dtype)
+    total = torch.zeros((), device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else x.new_empty(0)
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grads else x.new_empty(0)
+    for c in loss_chunks(n, len(w)):
+        x_c = x[c].to(w.dtype)
+        g = F.linear(x_c, w)  # z = x W^T, [chunk, V]
+        total += softmax_step(g, targets[c], n)  # now G
+        if with_grads:
+            grad_x[c].copy_(g @ w)
+            if g.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
+            else:
+                grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+        del g  # before the next chunk's logits exist
+    return total / n, grad_x, grad_w
+
+
+def softmax_gradient_(logits, targets, n):
+    """The loss's elementwise work on one chunk, in place: the logits z [chunk, V] become
+    G = (softmax(z) - onehot) / n, dLoss/dz for the mean over n positions; returns the chunk's
+    summed loss, sum(logsumexp(z) - z_target). In float32, whatever the logits' dtype."""
+    z = logits.float()  # float32 logits: z is the logits themselves, and every step is in place
+    top = z.amax(-1, keepdim=True)
+    target_z = z.gather(1, targets[:, None])
+    exps = z.sub_(top).exp_()  # exp(z - max): nothing overflows
+    sums = exps.sum(-1, keepdim=True)
+    loss = (sums.log() + top - target_z).sum()
+    g = exps.div_(sums * n)
+    g.scatter_add_(1, targets[:, None], torch.full_like(target_z, -1.0 / n))  # - onehot / n
+    logits.copy_(g)  # back into the logits' dtype (float32: a copy onto itself, skipped)
+    return loss
+
+
+def fused_softmax_gradient_(logits, targets, n):
+    """softmax_gradient_ for fused kernels, equal up to rounding: exp(z - lse) is made again where G
+    is written, so each logit is read three times (max, sum, G) and written once; eagerly, ~9 passes."""
+    z = logits.float()
+    top = z.amax(-1, keepdim=True)
+    lse = top + (z - top).exp().sum(-1, keepdim=True).log()  # logsumexp(z), [chunk, 1]
+    loss = (lse - z.gather(1, targets[:, None])).sum()  # before z is overwritten
+    onehot = torch.arange(z.shape[1], device=z.device) == targets[:, None]
+    logits.copy_(((z - lse).exp() - onehot.float()) / n)
+    return loss
+
+
+def softmax_step(logits, targets, n):
+    """softmax_gradient_, fused on a GPU (memory-bound there) for a chunk that repays compiling.
+    On a CPU exp is bound by arithmetic, and the fused form, which computes it twice, is slower."""
+    fused = logits.is_cuda and logits.numel() >= FUSE_MIN_FLOATS
+    return (FUSED_SOFTMAX if fused else softmax_gradient_)(logits, targets, n)
+
+
+# A custom operator, so torch.compile sees the loss as one opaque call: traced, its loop would be
+# unrolled, and inductor would keep a [V, D] partial of dL/dW alive per chunk (~0.8 GB at 1.2b).
+chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss, mutates_args=())
+
+
+@chunked_cross_entropy.register_fake
+def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the compiler
+    empty = x.new_empty(0)
+    return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if with_grads else empty,
+            torch.empty_like(weight, dtype=torch.float32) if with_grads else empty)
+
+
+def save_gradients(ctx, inputs, output):
+    ctx.weight_dtype = inputs[1].dtype
+    ctx.save_for_backward(*output[1:])
+    ctx.set_materialize_grads(False)  # else backward gets a float32 [V, D] of zeros for the unused outputs
+
+
+def scale_gradients(ctx, grad_loss, *_):
+    """Backward of chunked_cross_entropy: the gradients forward computed, times dLoss."""
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
+
+
+chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_gradients)
+
+
+# ---------------------------------------------------------------------------- what torch.compile sees
+# - LEV.forward stays out: torch.unique's output size changes every batch; the backbone sees one shape.
+# - separable_modes stays out: traced, its backward's rebuilt phi would be merged with the forward's
+#   and saved. Its kernels are compiled on their own (Fused), as only then does phi stay in
+#   registers, unless a call is too small (FUSE_MIN_FLOATS) to repay seconds of compiling.
+# - Model.compile: the model in place, and LEV.generate for any number of ids (compile_lev).
+# - The loss is one custom-op call; inside it, on a GPU, each chunk's softmax step is Fused.
+FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits
+
+# Failures of compiling itself, by name (an older torch lacks some). What a compiled kernel raises
+# as it runs (out of memory, a bad index) is a fault to see, not caught.
 COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
                          ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError",
                           "FailOnRecompileLimitHit") if hasattr(torch._dynamo.exc, name))
 
 
 class Fused:
-    """fn compiled by torch.compile into fused kernels (inductor: C++ loops on a CPU, Triton on
-    a GPU; group_products is one, so phi stays in registers). Where compiling fails (no C++
-    compiler, an unsupported GPU), fn runs eagerly: the same result, slower, with one warning
-    line for all the kernels of `what` (LEV, the loss). An error of the compiled kernel as it
-    runs propagates, and the kernel stays compiled."""
+    """fn compiled into fused kernels (C++ on a CPU, Triton on a GPU); where compiling fails (no C++
+    compiler, an unsupported GPU), fn eagerly, with one warning line per `what` (LEV, the loss)."""
     warned = set()  # the `what`s that have printed their warning
 
     def __init__(self, fn, what):
-        # dynamic=True: inductor takes its size hints from the first call, and a resumed run's first
-        # batch is not the original's. Hints choose block sizes, which change no row's order of
-        # summation, and whether a long reduction over few rows is split in two kernels (Triton:
-        # fewer rows than 2x the GPU's SMs over V > 8,192, torch 2.13), which would: off, so that
-        # every process sums in the same order.
+        # dynamic=True: hints from the first call (a resumed run's is not the original's) may split
+        # a long reduction in two kernels, another order of summation: off, so every process sums alike.
         self.fn, self.what = fn, what
         self.compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"split_reductions": False})
 
@@ -868,40 +748,14 @@ class Fused:
 
 KERNELS = bspline_nonzero, group_products, product_gradients
 FUSED_KERNELS = tuple(Fused(kernel, "LEV") for kernel in KERNELS)
+FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
 
 
 def kernels_for(t, spline):
-    """(bspline_nonzero, group_products, product_gradients) for this call: fused where it pays
-    for compiling."""
+    """LEV's KERNELS for this call: fused where that repays compiling."""
     return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
 
 
 def compile_lev(lev, **options):
-    """LEV.generate compiled for any number of ids; its product stays eager (2.), its kernels fused (1.)."""
+    """LEV.generate compiled for any number of ids; its product stays out of the graph, its kernels Fused."""
     lev.generate = torch.compile(lev.generate, dynamic=True, **options)
-
-
-def fused_softmax_gradient_(logits, targets, n):
-    """softmax_gradient_ (the loss) written for fused kernels (5. above): the same loss and G up to
-    rounding. exp(z - lse) is recomputed where G is written instead of kept from the sum's pass, so
-    inductor stores nothing of [chunk, V] but G over the logits: each element is read three times
-    (max, sum, G) in the logits' dtype and written once, where softmax_gradient_'s eager steps make
-    ~9 passes, most of them in float32."""
-    z = logits.float()
-    top = z.amax(-1, keepdim=True)
-    lse = top + (z - top).exp().sum(-1, keepdim=True).log()  # logsumexp(z), [chunk, 1]
-    loss = (lse - z.gather(1, targets[:, None])).sum()  # before z is overwritten
-    onehot = torch.arange(z.shape[1], device=z.device) == targets[:, None]
-    logits.copy_(((z - lse).exp() - onehot.float()) / n)
-    return loss
-
-
-def softmax_step(logits):
-    """The fused form on a GPU, where the loss's elementwise work is bound by memory traffic, for a
-    chunk that repays compiling (FUSE_MIN_FLOATS); the plain in-place form elsewhere. On a CPU the
-    plain form is the faster: exp is bound by arithmetic there, and the fused kernel computes it
-    twice (0.04 s against 0.08 s for [1024, 32768] float32 logits on 2 cores, torch 2.13)."""
-    return FUSED_SOFTMAX if logits.is_cuda and logits.numel() >= FUSE_MIN_FLOATS else softmax_gradient_
-
-
-FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")

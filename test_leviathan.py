@@ -703,13 +703,11 @@ def test_the_loss_passes_over_the_logits_once_outside_its_fused_step(monkeypatch
     monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 3 chunks
     census, steps = LogitPasses((chunk, V)), []
 
-    def uncounted_step(logits):
-        def step(*args):
-            census.paused = True
-            steps.append(leviathan.softmax_gradient_(*args))
-            census.paused = False
-            return steps[-1]
-        return step
+    def uncounted_step(*args):
+        census.paused = True
+        steps.append(leviathan.softmax_gradient_(*args))
+        census.paused = False
+        return steps[-1]
 
     monkeypatch.setattr(leviathan, "softmax_step", uncounted_step)
     x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
