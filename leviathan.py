@@ -166,7 +166,7 @@ class Config:
                                 lev_seed_dim=2, lev_heads=1, lev_knots=3, lev_rank=1).items():
             value = getattr(self, name)
             check(isinstance(value, int) and value >= least, name, f"must be an integer >= {least}")
-        check(self.rope_theta > 0, "rope_theta", "must be > 0 (the rotary base)")
+        check(0 < self.rope_theta < math.inf, "rope_theta", "must be > 0 and finite (the rotary base)")
         check(0 < self.lev_sigmoid_scale < math.inf, "lev_sigmoid_scale", "must be > 0 and finite")
         check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
               "even-sized heads (rotary embeddings rotate pairs of dimensions)")
@@ -405,7 +405,10 @@ def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_v
         logits[n_valid:] = float("-inf")
     if temperature == 0:
         return int(logits.argmax())
-    logits /= temperature
+    # softmax(z / T) = softmax((z - max z) / T): shifted first where z / T overflows float32 (a tiny T),
+    # which would leave softmax inf - inf = nan
+    scaled = logits / temperature
+    logits = scaled if scaled.max() < math.inf else (logits - logits.max()) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits[logits < kth] = float("-inf")

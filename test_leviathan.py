@@ -779,6 +779,21 @@ def test_config_refuses_every_out_of_range_field():
             Model(Config(**{**MICRO.__dict__, name: value}))
 
 
+def test_config_refuses_an_infinite_rotary_base():
+    for theta in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="rope_theta"):
+            Config(**{**MICRO.__dict__, "rope_theta": theta})
+
+
+def test_a_temperature_so_small_that_the_scaled_logits_overflow_samples_the_argmax():
+    """z / T beyond float32 (T = 1e-40): the limit of sampling as T -> 0 is the greedy choice, with
+    or without the top-k and nucleus filters, not softmax's nan."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 10
+    for temperature in (1e-38, 1e-40, 1e-45):
+        for top_k, top_p in [(0, 1.0), (5, 1.0), (0, 0.5), (5, 1e-30)]:
+            assert sample_next(logits, temperature, top_k, top_p, torch.Generator()) == int(logits.argmax())
+
+
 def test_config_refuses_digits_that_are_always_zero():
     """8,192 ids have 13 binary digits: a 14th (leading) digit would be 0 for every id."""
     assert LEV.from_config(Config(vocab_size=8192, lev_digits=13)).base == 2

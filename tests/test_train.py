@@ -313,7 +313,9 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     out = tmp_path / "run"
     train_cli(train_data, out, "--total_tokens=1024", "--embedding=tied")
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert ckpt.keys() == {"model", "optimizer", "model_config", "train_config", "step", "tokens_seen", "data_meta"}
+    assert ckpt.keys() == {"model", "optimizer", "model_config", "train_config", "step", "tokens_seen", "data_meta",
+                           "data"}
+    assert {len(shards) for shards in ckpt["data"].values()} == {1}  # each split's one shard: tokens, checksum
     assert ckpt["step"] == 2 and ckpt["tokens_seen"] == 1024
     model = Model(Config(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])  # the uncompiled model's keys
