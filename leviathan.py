@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------- LEV: token id i -> E_i in R^D
 
-
 def lev_base(vocab_size, digits):
     """Smallest base b with b**k >= V, so every id has exactly k base-b digits.
     Integer arithmetic: a float ceil(V ** (1/k)) can be off by one at exact powers."""
@@ -27,12 +26,10 @@ def lev_base(vocab_size, digits):
         b += 1
     return b
 
-
 def to_digits(ids, base, digits):
     """Step 1: i = sum_j i_j * b^(k-1-j). Returns [..., k], most significant first."""
     powers = base ** torch.arange(digits - 1, -1, -1, device=ids.device)
     return (ids.unsqueeze(-1) // powers) % base
-
 
 def bspline_basis(t, knots):
     """Step 3c: B_m(t) = beta((t - g_m)(kappa - 1)) on the knots g_m = m / (kappa - 1), for every
@@ -43,7 +40,6 @@ def bspline_basis(t, knots):
     x = t.unsqueeze(-1) * (knots - 1) - torch.arange(knots, device=t.device)  # (t - g_m)(kappa - 1)
     beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
     return beta / beta.sum(-1, keepdim=True)
-
 
 class LEV(nn.Module):
     """Learned embedding vectorization: i -> digits (i_1..i_k) -> z = sum_j C_j[i_j]
@@ -132,11 +128,9 @@ class LEV(nn.Module):
         ids = torch.arange(self.vocab_size, device=self.out_proj.device)
         return torch.cat([self.generate(c) for c in ids.split(chunk)])
 
-
 # ---------------------------------------------------------------------------- configuration
 
 EMBEDDINGS = ("lev", "tied", "untied")  # Leviathan | the paper's baseline | the ablation it lacks
-
 
 @dataclass(frozen=True)
 class Config:
@@ -153,7 +147,6 @@ class Config:
     lev_knots: int = 16  # kappa
     lev_rank: int = 64  # r
     lev_sigmoid_scale: float = 0.5  # 3b: t = sigmoid(scale * LayerNorm_l(W_l z)); (R) 1/2, see LEV.coordinates
-
     def __post_init__(self):
         """Refuse shapes that would crash later or train something that is not the method."""
         def check(ok, name, rule):
@@ -174,29 +167,23 @@ class Config:
         most = max(k for k in range(1, self.lev_digits + 1) if lev_base(V, k) ** (k - 1) < V)  # more: a leading 0
         check(most == self.lev_digits, "lev_digits", f"{V:,} ids have at most {most} digits "
               "(the leading ones would be 0 for every id)")
-
     @property
     def ffn_dim(self):
         """SwiGLU hidden size: 8/3 D (the parameters of a 4D GELU MLP), rounded up to 128."""
         return -(-8 * self.d_model // 3 // 128) * 128
 
-
 def padded_vocab(n_ids):
     """The id count rounded up to a multiple of 128 (tensor cores); padding ids are never sampled."""
     return -(-n_ids // 128) * 128
 
-
 # ---------------------------------------------------------------------------- the backbone: LLaMA-style, no biases
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-
     def forward(self, x):
         return F.rms_norm(x, x.shape[-1:], self.weight, eps=1e-6)
-
 
 def rotary_tables(seq_len, head_dim, theta):
     """cos/sin of the rotation angle pos * theta^(-2j/head_dim), each [seq_len, head_dim/2]."""
@@ -204,29 +191,24 @@ def rotary_tables(seq_len, head_dim, theta):
     angles = torch.outer(torch.arange(seq_len).float(), inv_freq)
     return angles.cos(), angles.sin()
 
-
 def apply_rotary(x, cos, sin):
     """Rotate each pair (x_j, x_{j+hd/2}) by its angle. x: [B, H, T, hd]."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
-
 class KVCache:
     """Keys and values of the tokens seen so far, per layer: a new token costs one position, not a rerun."""
-
     def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
         shape = (n_layer, batch, n_head, max_len, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # positions filled; also the rotary position of the next token
-
     def update(self, layer, k, v):
         start, end = self.length, self.length + k.shape[2]
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -234,7 +216,6 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
     def forward(self, x, cos, sin, cache=None, layer=0):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -249,31 +230,25 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
-
 class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
-
 
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(cfg.d_model), Attention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
-
     def forward(self, x, cos, sin, cache=None, layer=0):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
 
-
 # ---------------------------------------------------------------------------- the model: embedding -> blocks -> head
-
 
 class Model(nn.Module):
     def __init__(self, cfg):
@@ -392,9 +367,7 @@ class Model(nn.Module):
             group["lr"] = lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
-
 # ---------------------------------------------------------------------------- generation
-
 
 def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_valid=None):
     """One token id from last-position logits [V]. temperature 0 = greedy; top_k 0 and
@@ -420,7 +393,6 @@ def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_v
         logits[order[outside]] = float("-inf")
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
 
-
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
              generator=None, stop_id=None, n_valid=None):
     """Iterator over up to max_new_tokens new ids that continue prompt_ids (a list of ints,
@@ -428,7 +400,6 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=
     if not 1 <= len(prompt_ids) <= model.cfg.seq_len:
         raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, got {len(prompt_ids)}")
     return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid)
-
 
 def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
     device, seq_len = model.head.weight.device, model.cfg.seq_len
@@ -453,13 +424,11 @@ def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generato
         tokens.append(next_id)
         yield next_id
 
-
 # ============================================================================
 # Appendix: speed and memory only (skip on a first reading). Nothing below changes what the model
 # computes: the tests hold each fast form to its plain one above, in value and gradient.
 
 # ---------------------------------------------------------------------------- distinct ids
-
 
 def id_bucket(n):
     """Rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power of two (<= 25%
@@ -468,7 +437,6 @@ def id_bucket(n):
     step = 1 << max(0, (n - 1).bit_length() - 3)
     return -(-n // step) * step
 
-
 def distinct_ids(ids):
     """(rows, inverse): the distinct ids, sorted and padded to id_bucket() rows with id 0, and each
     position's row. torch.unique's output size is known only once it has run (on a GPU the host
@@ -476,13 +444,11 @@ def distinct_ids(ids):
     unique, inverse = torch.unique(ids, return_inverse=True)
     return F.pad(unique, (0, id_bucket(len(unique)) - len(unique))), inverse
 
-
 # ---------------------------------------------------------------------------- LEV's steps 3c-3e, fused
 # Written out, they keep a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r] for the
 # backward: ~1 GB for a few hundred ids at the paper's sizes. Here only the 3 non-zero B_m(t_d)
 # are made; phi_d mixes 3 rows of S (float32 multiply-adds, exact on any device) in registers, and
 # the backward makes it again from t; only t, S and M are saved.
-
 
 def bspline_nonzero(t, knots):
     """Step 3c, the non-zero part: beta vanishes for |x| >= 1.5, so only the knot nearest to t and
@@ -505,7 +471,6 @@ def bspline_nonzero(t, knots):
     slopes = (slopes - values * slopes.sum(0)) / total  # quotient rule; slopes.sum(0) = 0 inside
     return neighbours.clamp_(0, knots - 1).int(), values, slopes
 
-
 def mixed_rows(spline, index, *weights):
     """sum_j w[j] S_l[d, index[j]], [d, h, N, r], for each w of weights (B_m(t_d): phi_d; dB_m/dt_d:
     dphi_d/dt_d). Compiled, the rows of S are loads inside the kernel, never written to memory."""
@@ -515,7 +480,6 @@ def mixed_rows(spline, index, *weights):
     rows = [spline[head, d, index[j]] for j in range(3)]
     return [sum(row * w[j, ..., None] for j, row in enumerate(rows)) for w in weights]
 
-
 def group_products(index, values, spline, group):
     """Steps 3d and part of 3e for a chunk of coordinates: phi_d = m_d 2^(e_d), |m_d| in [0.5, 1)
     (frexp), and per group of `group` coordinates (prod_d m_d, sum_d e_d). A product of <= 126 such
@@ -524,7 +488,6 @@ def group_products(index, values, spline, group):
     (phi,) = mixed_rows(spline, index, values)
     mantissas, exponents = torch.frexp(phi)
     return mantissas.unflatten(0, (-1, group)).prod(1), exponents.unflatten(0, (-1, group)).sum(1)
-
 
 def product_gradients(index, values, slopes, spline, grad_times_modes):
     """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
@@ -536,11 +499,9 @@ def product_gradients(index, values, slopes, spline, grad_times_modes):
     basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
     return q, (q * phi_slope).sum(-1), basis
 
-
 # Floats of phi per chunk of seed coordinates. CPU, 4 MB: the backward's q_d is still in cache
 # when the matmul reads it. GPU, 256 MB: each chunk costs kernel launches.
 CHUNK_FLOATS_CPU, CHUNK_FLOATS_GPU = 1 << 20, 1 << 26
-
 
 def seed_chunks(t, rank, multiple=1):
     """Slices of the seed coordinates d, each a multiple of `multiple` long."""
@@ -549,13 +510,11 @@ def seed_chunks(t, rank, multiple=1):
     size = max(1, budget // (heads * n * rank)) // multiple * multiple or multiple
     return [slice(d, min(d + size, seed_dim)) for d in range(0, seed_dim, size)]
 
-
 class SeparableProduct(torch.autograd.Function):
     """Steps 3c-3e: t [d_seed, h, N], S [h, d_seed, kappa, r] -> M_l = prod_d phi_d, [h, N, r].
     (R) M is carried as mantissa * 2^exponent: sign * exp(sum_d log|phi_d|) exactly, with no
     logarithm per factor and nothing to check. The backward makes phi again and writes q_d, which
     the matmul for dL/dS needs (with TF32 on, that matmul rounds like the rest of the backward)."""
-
     @staticmethod
     def forward(ctx, t, spline):
         seed_dim, heads, n = t.shape
@@ -573,7 +532,6 @@ class SeparableProduct(torch.autograd.Function):
         modes = torch.ldexp(mantissa, exponent)
         ctx.save_for_backward(t, spline, modes)
         return modes
-
     @staticmethod
     def backward(ctx, grad_modes):
         t, spline, modes = ctx.saved_tensors
@@ -586,9 +544,7 @@ class SeparableProduct(torch.autograd.Function):
             grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
         return grad_t, grad_spline
 
-
 separable_modes = torch.compiler.disable(SeparableProduct.apply)  # out of every graph: "What torch.compile sees"
-
 
 # ---------------------------------------------------------------------------- the loss, chunked
 # Whole, logits, log-softmax and gradient are three float32 [N, V]: ~20 GB for 8,192 tokens at
@@ -597,17 +553,14 @@ separable_modes = torch.compiler.disable(SeparableProduct.apply)  # out of every
 
 LOSS_CHUNK_LOGITS = 1 << 28  # 1 GiB of float32 logits per chunk; fewer chunks, fewer passes over dL/dW
 
-
 def loss_chunks(n, vocab_size):
     step = max(1, LOSS_CHUNK_LOGITS // vocab_size)
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
-
 
 def head_dtype(x, weight):
     """The head's matmul dtype: autocast's when on (bf16 on GPU), else the weight's; cast once."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-
 
 @torch.no_grad()
 def token_losses(x, weight, targets):
@@ -616,12 +569,10 @@ def token_losses(x, weight, targets):
     return torch.cat([F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
                       for c in loss_chunks(len(x), len(w))])
 
-
 def linear_cross_entropy(x, weight, targets):
     """Mean cross-entropy of logits = x W^T, chunk by chunk over positions."""
     with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
-
 
 def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
                  with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -645,7 +596,6 @@ def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, d
         del g  # before the next chunk's logits exist
     return total / n, grad_x, grad_w
 
-
 def softmax_gradient_(logits, targets, n):
     """The loss's elementwise work on one chunk, in place: the logits z [chunk, V] become
     G = (softmax(z) - onehot) / n, dLoss/dz for the mean over n positions; returns the chunk's
@@ -661,7 +611,6 @@ def softmax_gradient_(logits, targets, n):
     logits.copy_(g)  # back into the logits' dtype (float32: a copy onto itself, skipped)
     return loss
 
-
 def fused_softmax_gradient_(logits, targets, n):
     """softmax_gradient_ for fused kernels, equal up to rounding: exp(z - lse) is made again where G
     is written, so each logit is read three times (max, sum, G) and written once; eagerly, ~9 passes."""
@@ -673,18 +622,15 @@ def fused_softmax_gradient_(logits, targets, n):
     logits.copy_(((z - lse).exp() - onehot.float()) / n)
     return loss
 
-
 def softmax_step(logits, targets, n):
     """softmax_gradient_, fused on a GPU (memory-bound there) for a chunk that repays compiling.
     On a CPU exp is bound by arithmetic, and the fused form, which computes it twice, is slower."""
     fused = logits.is_cuda and logits.numel() >= FUSE_MIN_FLOATS
     return (FUSED_SOFTMAX if fused else softmax_gradient_)(logits, targets, n)
 
-
 # A custom operator, so torch.compile sees the loss as one opaque call: traced, its loop would be
 # unrolled, and inductor would keep a [V, D] partial of dL/dW alive per chunk (~0.8 GB at 1.2b).
 chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss, mutates_args=())
-
 
 @chunked_cross_entropy.register_fake
 def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the compiler
@@ -692,21 +638,17 @@ def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the
     return (x.new_empty((), dtype=torch.float32), torch.empty_like(x) if with_grads else empty,
             torch.empty_like(weight, dtype=torch.float32) if with_grads else empty)
 
-
 def save_gradients(ctx, inputs, output):
     ctx.weight_dtype = inputs[1].dtype
     ctx.save_for_backward(*output[1:])
     ctx.set_materialize_grads(False)  # else backward gets a float32 [V, D] of zeros for the unused outputs
-
 
 def scale_gradients(ctx, grad_loss, *_):
     """Backward of chunked_cross_entropy: the gradients forward computed, times dLoss."""
     grad_x, grad_w = ctx.saved_tensors
     return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
 
-
 chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_gradients)
-
 
 # ---------------------------------------------------------------------------- what torch.compile sees
 # - LEV.forward stays out: torch.unique's output size changes every batch; the backbone sees one shape.
@@ -723,18 +665,15 @@ COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
                          ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError",
                           "FailOnRecompileLimitHit") if hasattr(torch._dynamo.exc, name))
 
-
 class Fused:
     """fn compiled into fused kernels (C++ on a CPU, Triton on a GPU); where compiling fails (no C++
     compiler, an unsupported GPU), fn eagerly, with one warning line per `what` (LEV, the loss)."""
     warned = set()  # the `what`s that have printed their warning
-
     def __init__(self, fn, what):
         # dynamic=True: hints from the first call (a resumed run's is not the original's) may split
         # a long reduction in two kernels, another order of summation: off, so every process sums alike.
         self.fn, self.what = fn, what
         self.compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"split_reductions": False})
-
     def __call__(self, *args):
         if self.compiled is not None:
             try:
@@ -748,16 +687,13 @@ class Fused:
                 self.compiled = None
         return self.fn(*args)
 
-
 KERNELS = bspline_nonzero, group_products, product_gradients
 FUSED_KERNELS = tuple(Fused(kernel, "LEV") for kernel in KERNELS)
 FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
 
-
 def kernels_for(t, spline):
     """LEV's KERNELS for this call: fused where that repays compiling."""
     return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
-
 
 def compile_lev(lev, **options):
     """LEV.generate compiled for any number of ids; its product stays out of the graph, its kernels Fused."""
