@@ -399,36 +399,32 @@ def _hub_documents(split):
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
 START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
-def _hashed(docs):
-    """(index, text, hash of every text up to this one) for each (index, text): progress.json keeps the hash
-    at each shard's end, so that a resume can tell that the input before that point is still the same."""
-    digest = hashlib.sha1()
-    for index, text in docs:
-        digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
-        yield index, text, digest.hexdigest()
-
 def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, ids + [end-of-text], hash) for each (index, text, hash), in order. tiktoken encodes a batch on
-    `workers` threads, which run in parallel as its Rust encoder releases the GIL; a batch at a time bounds memory."""
+    """(index, text, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
+    threads, which run in parallel as its Rust encoder releases the GIL; one batch at a time bounds the memory."""
     docs = iter(docs)
     while batch := list(itertools.islice(docs, batch_docs)):
-        indices, texts, hashes = zip(*batch)
-        for index, ids, digest in zip(indices, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers), hashes):
-            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab)), digest
+        indices, texts = zip(*batch)
+        for index, text, ids in zip(indices, texts, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers)):
+            yield index, text, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
 
-def _resumed(docs, state, split):
-    """The documents from where the split stopped; the hash of those before it must be the one kept then
-    (an input changed under an interrupted run would mix old and new documents in one dataset)."""
-    first, kept = state["next_doc"], state.get("digest")  # read now: saving the next shard changes them
-    last = first - 1 + (state["skip"] > 0)  # the last document the complete shards hold (part of)
+def _hash_text(digest, text):
+    digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+
+def _resumed(docs, first, last, kept, digest, split):
+    """The documents from `first` on. Those up to `last`, which the complete shards hold (in part), go into
+    digest, which must then be `kept`, the hash progress.json kept (None: an older file, unchecked): an input
+    changed under an interrupted run would mix old and new documents in one dataset."""
     changed = UserError(f"the {split} documents the complete shards were made of changed since (up to document "
                         f"{last + 1:,}): restore the input, or delete the output folder to prepare it afresh")
     seen = -1
-    for seen, text, digest in docs:
-        if seen == last and kept not in (None, digest):  # (a progress.json without a hash: unchecked)
-            raise changed
+    for seen, text in docs:
+        if seen <= last:
+            _hash_text(digest, text)
+            if seen == last and kept not in (None, digest.hexdigest()):
+                raise changed
         if seen >= first:
-            yield seen, text, digest
+            yield seen, text
     if kept is not None and seen < last:  # the input ended before that document
         raise changed
 
@@ -439,6 +435,8 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = (args.max_tokens or math.inf) if split == "train" else args.val_tokens
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
+    last = first - 1 + (skip > 0)  # the last document the complete shards hold (in part)
+    digest = hashlib.sha1()  # of every document so far: progress.json keeps it at each shard's end
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
     shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default size
@@ -455,7 +453,10 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-    for index, ids, digest in _tokenized(tok, _resumed(_hashed(docs), state, split), args.workers):
+    docs = _resumed(docs, first, last, state.get("digest"), digest, split)
+    for index, text, ids in _tokenized(tok, docs, args.workers):
+        if index > last:  # the ones before are in the digest already (_resumed)
+            _hash_text(digest, text)
         pos = skip if index == first else 0
         state["documents"] += pos == 0  # a resumed document was counted when it began
         while pos < len(ids) and state["tokens"] < budget:
@@ -463,7 +464,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             shard[filled:filled + take] = ids[pos:pos + take]
             filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
             if filled == args.shard_tokens:
-                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids), digest=digest)
+                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids), digest=digest.hexdigest())
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
             print(line(final=False), file=sys.stderr, flush=True)
