@@ -145,7 +145,7 @@ def check(c):
             # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
             *((not abs(v) <= FLOAT32_MAX, f"--{k}={v}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
               for k, v in floats),
-            (not c.lr * max(c.lr_input or 1, c.lr_head or 1, 1) <= FLOAT32_MAX,
+            (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX,
              f"--lr={c.lr} times --lr_input or --lr_head is beyond float32 ({FLOAT32_MAX:.3g})"),
             (c.size not in SIZES, f"--size={c.size}: must be one of {', '.join(SIZES)}"),
             (c.embedding not in EMBEDDINGS, f"--embedding={c.embedding}: must be one of {', '.join(EMBEDDINGS)}"),
@@ -294,9 +294,9 @@ def open_data(data_dir):
         if not (paths := shard_paths(data_dir, split)):
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-        listed = meta.get("splits", {}).get(split, {})  # what prepare_data.py wrote, where meta.json says
-        if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), sum(map(len, splits[split]))):
-            raise UserError(f"{data_dir} has {len(paths)} {split} shards of {sum(map(len, splits[split])):,} tokens, "
+        listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
+        if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
+            raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, "
                             f"meta.json lists {listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or "
                             "added by hand; prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
@@ -418,8 +418,8 @@ def open_run(argv):
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
-    model_cfg = model_config(config, meta["vocab_size"])
-    if ckpt is not None:  # it must fit this model and this tokenizer
+    model_cfg, data = model_config(config, meta["vocab_size"]), data_fingerprint(splits)
+    if ckpt is not None:  # it must fit this model, this tokenizer and, resuming, this data
         there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
         if there != here:
             diff = ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v)
@@ -429,9 +429,8 @@ def open_run(argv):
             raise UserError(f"{path} was trained on data from another tokenizer ({old.get('tokenizer')}, "
                             f"{old.get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
                             f"{meta.get('vocab_size')} ids)")
-    data = data_fingerprint(splits)
-    if config.resume and "data" in ckpt:  # (--eval_only may evaluate on other data; an older ckpt has none)
-        if changes := data_changes(ckpt["data"], data):
+        # (--eval_only may evaluate on other data; a checkpoint of an older train.py has no fingerprint)
+        if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
             raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
                             "resume on the data it was trained on, or start a new run with another --out_dir")
     if config.resume:  # the log it continues: damaged, refused before anything is written

@@ -11,7 +11,7 @@ is not trained again, one stopped is resumed (runs.py), and a task already evalu
 evaluated again, so the command can be repeated until the table is complete. The table goes to
 <out_dir>/table.md.
 """
-import os, shlex, sys
+import json, os, shlex, sys
 
 import numpy as np
 import torch
@@ -166,9 +166,10 @@ def check_same_comparison(args):
         return
     there = read_json(path, f"move it aside, or choose another --out_dir than {args.out_dir}")
     if there != here:
-        def said(c):
-            return shlex.join([f"--size={c.get('size')}", *(["--", *c.get("train_options", [])]
-                                                             if c.get("train_options") else [])])
+        def said(c):  # as the user typed it (an edited file: whatever it holds)
+            if not (isinstance(c, dict) and isinstance(c.get("train_options"), list)):
+                return json.dumps(c)
+            return shlex.join([f"--size={c.get('size')}", *(["--", *c["train_options"]] if c["train_options"] else [])])
         raise UserError(f"{args.out_dir} holds the comparison of `{said(there)}`, not `{said(here)}`: repeat that "
                         "command to complete it, or choose another --out_dir")
 

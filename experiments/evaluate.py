@@ -260,12 +260,12 @@ def task_manager(tasks, include_path):
 def check_limit(saved, tasks, limit, path):
     """A task's saved result and a new one must cover the same examples: a --limit look over a full
     evaluation (or the reverse) would replace one with the other unseen."""
+    def examples(n):
+        return "every example" if n is None else f"--limit={n}"
     for task in tasks:
-        if task in saved and saved[task].get("limit") != limit:
-            def examples(n):
-                return "every example" if n is None else f"--limit={n}"
-            raise UserError(f"{path} holds {task} evaluated on {examples(saved[task].get('limit'))}, this run "
-                            f"asks for {examples(limit)}: pass the same --limit, or move the file aside")
+        if task in saved and (there := saved[task].get("limit")) != limit:
+            raise UserError(f"{path} holds {task} evaluated on {examples(there)}, this run asks for "
+                            f"{examples(limit)}: pass the same --limit, or move the file aside")
 
 
 def evaluate(args):
@@ -278,8 +278,8 @@ def evaluate(args):
     saved = read_results(args.out_dir) if os.path.exists(path) else {}
     tasks = [t for t in args.tasks.split(",") if t]
     check_limit(saved, tasks, args.limit, path)
+    manager = task_manager(tasks, args.include_path)  # the tasks before the model: each error as early as it can be
     model, tokenizer, step = load_model(args.out_dir, args.device)
-    manager = task_manager(tasks, args.include_path)
     model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
     adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
     try:
