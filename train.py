@@ -243,13 +243,6 @@ def launch_env():
                         "unset them to train in one process, or launch with torchrun (README)")
     return rank, world, local
 
-def own_rank():
-    """This process's rank before the process group exists (0 where launch_env refuses the variables)."""
-    try:
-        return launch_env()[0]
-    except UserError:
-        return 0
-
 def setup_device(config):
     rank, world, local = launch_env()
     kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -359,8 +352,7 @@ def checked_window(shard, start, seq_len, vocab_size):
     return window
 
 def read_log(path):
-    """The records of a run's log.jsonl ([] if it has none). A last line without its newline (a run
-    killed while writing it) is left out; any other damaged line is one error."""
+    """log.jsonl's records ([] if none); a last line cut by a kill is left out, any other damaged one refused."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -385,9 +377,8 @@ def run_files(out_dir):
                   if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
 
 def lock_run_folder(out_dir):
-    """One train.py at a time per run folder: rank 0 holds an exclusive lock on the folder until the
-    run ends, and the kernel drops it when a process dies. Returns the locked descriptor, or None
-    where the filesystem has no locks (some cluster filesystems): the folder then goes unlocked."""
+    """One train.py per run folder: rank 0 locks it until the run ends (the kernel unlocks a dead process's).
+    None where the filesystem has no locks (some cluster filesystems): the folder goes unlocked."""
     if fcntl is None:
         return None
     folder = os.open(out_dir, os.O_RDONLY)
@@ -474,8 +465,7 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
                   else {"broadcast_buffers": False})
 
 def build(run):
-    """The model and optimizer, restored from the checkpoint when resuming, then compiled and wrapped:
-    raw_model is the plain module (saved, counted, optimised), model the form that runs it."""
+    """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
     config, cuda = run.config, run.device.type == "cuda"
     torch.manual_seed(config.seed)
     run.raw_model = Model(run.model_config).to(run.device)
@@ -498,14 +488,12 @@ def build(run):
             run.model.register_comm_hook(None, bf16_compress_hook)
 
 def keep_log_until(path, step):
-    """A resumed run keeps its log up to the checkpoint (an interrupted one may have logged past it);
-    a new run (step 0) starts a new log."""
+    """A resume keeps the log up to its checkpoint (a killed run may have logged past it); step 0 starts afresh."""
     records = [r for r in read_log(path) if r["step"] <= step] if step else []
     atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
 
 def set_up(argv):
-    """The run, built, its config printed and written, its log trimmed to the checkpoint; or None
-    when set-up failed on any rank, after one error line for the job (the lowest failed rank's)."""
+    """The run, built, its config printed and written; None if set-up failed on any rank (one error line)."""
     run, error = None, None
     try:
         run = open_run(argv)
@@ -513,7 +501,11 @@ def set_up(argv):
         error = e
     lowest = failed_rank(error)
     if lowest is not None:
-        if (dist.get_rank() if dist.is_initialized() else own_rank()) == lowest:
+        try:  # before the process group: torchrun's rank (0 where launch_env refuses its variables)
+            rank = dist.get_rank() if dist.is_initialized() else launch_env()[0]
+        except UserError:
+            rank = 0
+        if rank == lowest:
             print_error(error)
         return None
     build(run)
