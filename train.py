@@ -6,8 +6,8 @@
     python train.py --size=200m --resume                       # continue out/200m-lev exactly
     python train.py --size=200m --eval_only                    # evaluate its checkpoint
 
-Every field of TrainConfig is an option, --name=value (a bare --flag means true). Its defaults are
-the tiny size's; --size=NAME sets the fields SIZES[NAME] names; an option given beats both.
+Every TrainConfig field is an option, --name=value (a bare --flag means true): the tiny size's defaults,
+then the fields SIZES[--size] sets, then the options given.
 """
 import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time, zlib
 from contextlib import nullcontext
@@ -24,11 +24,6 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-try:
-    import fcntl  # POSIX: the run folder's lock (lock_run_folder); on Windows folders go unlocked
-except ImportError:
-    fcntl = None
-
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta, parse_bool, parse_number,
                           print_error, read_shard, run_main, shard_paths, tokenizer_from_meta, write_json)
@@ -36,13 +31,12 @@ from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the sizes and the options
 
-# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter). It
-# publishes no rates: these are conservative GPT-3/Pythia values (LEV's product spikes at too high a
-# rate). Heads of 128 dims, and the depth that brings the *tied* model (embedding included, as the
-# paper counts) closest to its size with o200k_base: 203.2M, 397.6M, 1.219B. D = 2048 at 1.2B is the
-# paper's; 768 and 1024 are the usual GPT-2/LLaMA widths. tiny (TrainConfig's defaults): minutes on
-# a 2-core CPU; lr 3e-3 trains all three arms smoothly; heads of 32 dims; LEV has h * r = D modes
-# (h=4, r=32), not the paper's 512, which at D = 128 would cost more than the backbone per token.
+# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter). Its rates
+# are unpublished: these are conservative GPT-3/Pythia values (LEV's product spikes at too high a rate).
+# Heads of 128 dims; the depth brings the *tied* model (embedding included, as the paper counts) closest
+# to its size with o200k_base: 203.2M, 397.6M, 1.219B. D = 2048 at 1.2B is the paper's, 768 and 1024 the
+# usual GPT-2/LLaMA widths. tiny (TrainConfig's defaults): minutes on a 2-core CPU, heads of 32 dims, and
+# h * r = D LEV modes (h=4, r=32), not the paper's 512, which at D = 128 would outweigh the backbone.
 PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512, micro_batch=16,
              warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
 SIZES = {  # each size: the TrainConfig fields it sets
@@ -137,24 +131,23 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
+    v = asdict(c)
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
-    nonnegative, decays = ("warmup_steps", "weight_decay", "stop_step"), ("beta1", "beta2")
-    floats = [(f.name, getattr(c, f.name)) for f in fields(c) if isinstance(getattr(c, f.name), float)]
+    choices = dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
     for bad, message in [
             # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
-            *((not abs(v) <= FLOAT32_MAX, f"--{k}={v}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
-              for k, v in floats),
+            *((not abs(x) <= FLOAT32_MAX, f"--{k}={x}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
+              for k, x in v.items() if isinstance(x, float)),
             (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX,
              f"--lr={c.lr} times --lr_input or --lr_head is beyond float32 ({FLOAT32_MAX:.3g})"),
-            (c.size not in SIZES, f"--size={c.size}: must be one of {', '.join(SIZES)}"),
-            (c.embedding not in EMBEDDINGS, f"--embedding={c.embedding}: must be one of {', '.join(EMBEDDINGS)}"),
-            (c.device not in ("auto", "cpu", "cuda"), f"--device={c.device}: must be auto, cpu or cuda"),
-            *((not 0 < getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be > 0") for k in positive),
-            *((not 0 <= getattr(c, k) < math.inf, f"--{k}={getattr(c, k)}: must be >= 0") for k in nonnegative),
+            *((v[k] not in kinds, f"--{k}={v[k]}: must be one of {', '.join(kinds)}") for k, kinds in choices.items()),
+            *((not 0 < v[k] < math.inf, f"--{k}={v[k]}: must be > 0") for k in positive),
+            *((not 0 <= v[k] < math.inf, f"--{k}={v[k]}: must be >= 0") for k in ("warmup_steps", "weight_decay",
+                                                                                  "stop_step")),
+            *((not 0 <= v[k] < 1, f"--{k}={v[k]}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
             (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
             (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
-            *((not 0 <= getattr(c, k) < 1, f"--{k}={getattr(c, k)}: must be in [0, 1) (a decay)") for k in decays),
             (c.embedding == "tied" and c.lr_head != 1.0,
              "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
             (c.wandb_run_name and not c.wandb_project, "--wandb_run_name needs --wandb_project")]:
@@ -192,6 +185,7 @@ def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
+
 # ---------------------------------------------------------------------------- stop signals and output
 
 # SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
@@ -209,16 +203,14 @@ def on_signal(signum, frame):
             raise SystemExit(128 + signum)
         return
     STOP["signal"] = signum
-    # os.write, not print: a signal that lands during a print would make print re-enter itself
-    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
-    try:
-        os.write(sys.stdout.fileno(), note.encode())
+    try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
+        os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of "
+                                      "this step\n".encode())
     except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
         pass
 
 def show(text):
-    """print for the run's output. A reader that went away (`train.py | head`) stops the run as a
-    signal does, saved first; the rest of the output goes nowhere."""
+    """print for the run's output; a reader gone away stops the run as a signal does, and the rest goes nowhere."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -228,19 +220,18 @@ def show(text):
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 
 def launch_env():
-    """(rank, world size, local rank) as torchrun sets them; one process without it. The same
-    variables left over in a shell, or set by a scheduler without torchrun, are refused here rather
-    than failing inside the process group."""
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    given = {k: os.environ[k] for k in names if k in os.environ}
+    """(rank, world size, local rank) from torchrun's variables; one process without them. Left over in a
+    shell, or set by a scheduler without torchrun, they are refused here, not inside the process group."""
+    given = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+             if k in os.environ}
     try:
         rank, world, local = (int(given.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     except ValueError:
         rank, world, local = -1, 0, 0
     if not (0 <= rank < world and 0 <= local < world) or (world > 1 and {"MASTER_ADDR", "MASTER_PORT"} - set(given)):
-        shown = " ".join(f"{k}={v}" for k, v in given.items())
-        raise UserError(f"{shown} without torchrun's full set (RANK < WORLD_SIZE, MASTER_ADDR, MASTER_PORT): "
-                        "unset them to train in one process, or launch with torchrun (README)")
+        raise UserError(" ".join(f"{k}={v}" for k, v in given.items()) + " without torchrun's full set (RANK < "
+                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): unset them to train in one process, or launch with "
+                        "torchrun (README)")
     return rank, world, local
 
 def setup_device(config):
@@ -266,16 +257,6 @@ def setup_device(config):
                                 device_id=device if kind == "cuda" else None)
     return device, rank, world
 
-def failed_rank(error):
-    """The lowest rank whose set-up failed (a file missing on one node), or None: all ranks learn of
-    it here instead of waiting for it in the next collective."""
-    if not dist.is_initialized():
-        return 0 if error is not None else None  # every rank fails alike before the process group
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
-
 def open_data(data_dir):
     """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
@@ -289,9 +270,9 @@ def open_data(data_dir):
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
         listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
         if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
-            raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, "
-                            f"meta.json lists {listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or "
-                            "added by hand; prepare the data again")
+            raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, meta.json lists "
+                            f"{listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or added by hand; "
+                            "prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
 
 def data_fingerprint(splits):
@@ -301,14 +282,10 @@ def data_fingerprint(splits):
                     for s in shards} for split, shards in splits.items()}
 
 def data_changes(there, here):
-    """What differs between two data_fingerprint()s, in words."""
-    changes = []
-    for split in sorted(here.keys() | there.keys()):
-        old, new = there.get(split, {}), here.get(split, {})
-        changes += [f"{name} missing" for name in sorted(old.keys() - new.keys())]
-        changes += [f"{name} added" for name in sorted(new.keys() - old.keys())]
-        changes += [f"{name} holds other tokens" for name in sorted(old.keys() & new.keys()) if old[name] != new[name]]
-    return changes
+    """What differs between two data_fingerprint()s, in words (a shard's name holds its split)."""
+    old, new = ({name: v for shards in d.values() for name, v in shards.items()} for d in (there, here))
+    return [f"{name} {'missing' if name not in new else 'added' if name not in old else 'holds other tokens'}"
+            for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
@@ -360,15 +337,19 @@ def read_log(path):
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except ValueError:
-            record = None
-        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
-                and isinstance(record.get("step"), int)):
+            records.append(None)
+        if not (isinstance(records[-1], dict) and records[-1].get("type") in ("train", "eval")
+                and isinstance(records[-1].get("step"), int)):
             raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line "
                             "and run again")
-        records.append(record)
     return records
+
+def keep_log_until(path, step):
+    """A resume keeps the log up to its checkpoint (a killed run may have logged past it); step 0 starts afresh."""
+    records = [r for r in read_log(path) if r["step"] <= step] if step else []
+    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
 
 def run_files(out_dir):
     """The files a train.py run writes that are in out_dir (sorted)."""
@@ -378,10 +359,12 @@ def run_files(out_dir):
 
 def lock_run_folder(out_dir):
     """One train.py per run folder: rank 0 locks it until the run ends (the kernel unlocks a dead process's).
-    None where the filesystem has no locks (some cluster filesystems): the folder goes unlocked."""
-    if fcntl is None:
+    None where there are no locks (Windows, some cluster filesystems): the folder goes unlocked."""
+    try:
+        import fcntl  # POSIX only
+        folder = os.open(out_dir, os.O_RDONLY)
+    except ImportError:
         return None
-    folder = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return folder
@@ -390,7 +373,21 @@ def lock_run_folder(out_dir):
         if isinstance(e, BlockingIOError):
             raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
                             "another --out_dir") from None
-        return None
+
+def check_checkpoint_fits(ckpt, path, config, model_cfg, meta, data):
+    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may
+    evaluate on other data; a checkpoint of an older train.py has no fingerprint)."""
+    there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
+    if diff := ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v):
+        raise UserError(f"{path} holds a different model ({diff}): a dataset with another tokenizer or other "
+                        "model options; use the checkpoint's or another --out_dir")
+    if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
+        raise UserError(f"{path} was trained on data from another tokenizer ({old.get('tokenizer')}, "
+                        f"{old.get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
+                        f"{meta.get('vocab_size')} ids)")
+    if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
+        raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
+                        "resume on the data it was trained on, or start a new run with another --out_dir")
 
 def open_run(argv):
     """Every check that can refuse the run, in order, before anything is written; then the Run."""
@@ -410,20 +407,8 @@ def open_run(argv):
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
     model_cfg, data = model_config(config, meta["vocab_size"]), data_fingerprint(splits)
-    if ckpt is not None:  # it must fit this model, this tokenizer and, resuming, this data
-        there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
-        if there != here:
-            diff = ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v)
-            raise UserError(f"{path} holds a different model ({diff}): a dataset with another tokenizer or other "
-                            "model options; use the checkpoint's or another --out_dir")
-        if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
-            raise UserError(f"{path} was trained on data from another tokenizer ({old.get('tokenizer')}, "
-                            f"{old.get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
-                            f"{meta.get('vocab_size')} ids)")
-        # (--eval_only may evaluate on other data; a checkpoint of an older train.py has no fingerprint)
-        if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
-            raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
-                            "resume on the data it was trained on, or start a new run with another --out_dir")
+    if ckpt is not None:
+        check_checkpoint_fits(ckpt, path, config, model_cfg, meta, data)
     if config.resume:  # the log it continues: damaged, refused before anything is written
         read_log(os.path.join(config.out_dir, "log.jsonl"))
     per_step = world * config.micro_batch * config.seq_len
@@ -450,8 +435,7 @@ def open_run(argv):
         lock = lock_run_folder(config.out_dir)
     # What the loop needs. counts: each id's count in the train split (the frequency buckets);
     # byte_lengths: UTF-8 bytes per id (bits per byte); accum: micro-steps per step on each rank;
-    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met;
-    # data: what the run trains on (data_fingerprint), saved with it.
+    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met.
     return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
                            byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt, lock=lock,
                            device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
@@ -487,10 +471,18 @@ def build(run):
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_compress_hook)
 
-def keep_log_until(path, step):
-    """A resume keeps the log up to its checkpoint (a killed run may have logged past it); step 0 starts afresh."""
-    records = [r for r in read_log(path) if r["step"] <= step] if step else []
-    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
+def failed_rank(error):
+    """None if set-up succeeded on every rank, else the rank that tells why: the lowest that failed (a file
+    missing on one node), so that all ranks stop here, not in the next collective, waiting for it."""
+    if not dist.is_initialized():  # each rank fails alike before the process group and names itself
+        try:
+            return None if error is None else launch_env()[0]
+        except UserError:  # the launcher's variables refused: this process tells
+            return 0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
 
 def set_up(argv):
     """The run, built, its config printed and written; None if set-up failed on any rank (one error line)."""
@@ -499,13 +491,8 @@ def set_up(argv):
         run = open_run(argv)
     except UserError as e:
         error = e
-    lowest = failed_rank(error)
-    if lowest is not None:
-        try:  # before the process group: torchrun's rank (0 where launch_env refuses its variables)
-            rank = dist.get_rank() if dist.is_initialized() else launch_env()[0]
-        except UserError:
-            rank = 0
-        if rank == lowest:
+    if (lowest := failed_rank(error)) is not None:
+        if lowest == (dist.get_rank() if dist.is_initialized() else 0):
             print_error(error)
         return None
     build(run)
@@ -599,8 +586,7 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
     record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
                   grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
     line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
-    peak = peak_flops(torch.cuda.get_device_name(run.device)) if cuda else None
-    if peak:
+    if cuda and (peak := peak_flops(torch.cuda.get_device_name(run.device))):
         record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
         line += f" | MFU {100 * record['mfu']:.1f}%"
     if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
@@ -624,12 +610,9 @@ def bucket_sums(losses, target_counts, n_buckets):
 
 def bucket_table(nats, tokens):
     """The paper's frequency-stratified table: {counts, tokens, loss, ppl} per bucket (None if empty)."""
-    rows = []
-    for j, (n, t) in enumerate(zip(nats, tokens)):
-        loss = float(n / t) if t else None
-        rows.append(dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
-                         ppl=math.exp(loss) if t else None))
-    return rows
+    losses = [float(n / t) if t else None for n, t in zip(nats, tokens)]
+    return [dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
+                 ppl=None if loss is None else math.exp(loss)) for j, (t, loss) in enumerate(zip(tokens, losses))]
 
 @torch.no_grad()
 def evaluate(run):
@@ -676,6 +659,8 @@ def report_eval(run, result):
 #
 # ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens
 # // seq_len windows, and no step draws a random number, so there is no RNG state. sample.py reads it.
+# Waiting for the write would cost a 1.2b run ~12% of its wall time (~15 GB at 5 s/GB every 1,000
+# steps): rank 0 copies the state to CPU memory (seconds) and a thread writes it while training goes on.
 
 def cpu_copy(obj, copies):
     """obj (dicts and lists of tensors) with each tensor copied into CPU memory; a tensor met twice
@@ -689,32 +674,27 @@ def cpu_copy(obj, copies):
     return [cpu_copy(v, copies) for v in obj] if isinstance(obj, list) else obj
 
 def checkpoint(run, wait=False):
-    """Save the run at this step. Waiting for the write would cost a 1.2b run ~12% of its wall time
-    (~15 GB at 5 s/GB every 1,000 steps), so rank 0 copies the state to CPU memory (seconds) and a
-    thread writes it while training goes on. One write at a time; wait=True (the last step, a
-    preemption) returns once it is on disk."""
+    """Save the run at this step, one write at a time; wait=True (the last step, a preemption): on disk at return."""
     wait_for_save(run)
     if run.rank == 0:
-        state = dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
-                     model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
-                     data=run.data, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
-        run.saving = threading.Thread(target=write_checkpoint, args=(run, cpu_copy(state, {})))
+        state = cpu_copy(dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
+                              model_config=asdict(run.model_config), train_config=asdict(run.config),
+                              data_meta=run.meta, data=run.data, step=run.step,
+                              tokens_seen=run.step * run.config.batch_tokens), {})
+        run.saving = threading.Thread(target=write_checkpoint, args=(run, state))
         run.saving.start()
     if wait:
         wait_for_save(run)
 
 def write_checkpoint(run, state):
-    """The writer thread. atomic_write: a failed write (a full disk) leaves the previous checkpoint
-    whole; its error waits for wait_for_save."""
+    """The writer thread. atomic_write: a failed write (a full disk) keeps the previous checkpoint whole."""
     path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
     try:
         atomic_write(path, lambda f: torch.save(state, f))
-    except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
+        show(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
+    except (OSError, RuntimeError) as e:  # no space left: torch.save raises either; wait_for_save reports it
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         run.save_error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
-        return
-    show(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB written in "
-          f"{time.time() - start:.1f} s (training went on meanwhile)")
 
 def wait_for_save(run):
     """Rank 0 waits for the write in flight; then every rank learns whether it failed, and all stop alike."""
@@ -754,20 +734,19 @@ def main(argv):
         else:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, on_signal)
-            timer_start, steps_timed = time.time(), 0
+            seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
             while run.step < run.max_steps:
+                start = time.time()
                 loss, grad_norm, preempted = train_step(run)  # preempted: a signal reached some rank
-                run.step, steps_timed = run.step + 1, steps_timed + 1
+                run.step, seconds, steps_timed = run.step + 1, seconds + time.time() - start, steps_timed + 1
                 last, stop = run.step == run.max_steps, preempted or run.step == config.stop_step
                 if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
-                    log_step(run, loss, grad_norm, time.time() - timer_start, steps_timed)
-                    timer_start, steps_timed = time.time(), 0
+                    log_step(run, loss, grad_norm, seconds, steps_timed)
+                    seconds, steps_timed = 0.0, 0
                 if (run.step % config.eval_interval == 0 or last) and not preempted:  # a preemption saves first
                     report_eval(run, evaluate(run))
-                    timer_start, steps_timed = time.time(), 0  # tokens/s counts training only
                 if run.step % config.ckpt_interval == 0 or last or stop:
                     checkpoint(run, wait=last or stop)  # the last one must be on disk
-                    timer_start, steps_timed = time.time(), 0
                 if stop:
                     why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
                     if run.rank == 0:
