@@ -1,21 +1,15 @@
-"""Train a Leviathan model (or one of its two baselines) on token shards from prepare_data.py.
+"""Train a Leviathan model (or a baseline) on prepare_data.py's token shards.
 
-    python train.py --size=tiny                                # CPU, a few minutes (data/demo)
-    python train.py --size=200m --embedding=tied               # one GPU (data/pile)
-    torchrun --nproc_per_node=8 train.py --size=1.2b           # DDP; add --nnodes/--rdzv_* for several nodes
-    python train.py --size=200m --resume                       # continue out/200m-lev exactly
-    python train.py --size=200m --eval_only                    # evaluate its checkpoint
+    python train.py --size=tiny                          # CPU, minutes (data/demo); then --resume or --eval_only
+    torchrun --nproc_per_node=8 train.py --size=1.2b     # DDP; add --nnodes/--rdzv_* for several nodes
 
-Every TrainConfig field is an option, --name=value (a bare --flag means true): the tiny size's defaults,
-then the fields SIZES[--size] sets, then the options given.
+Every TrainConfig field is an option, --name=value (a bare --flag is true), over SIZES[--size] and tiny's defaults.
 """
-import argparse, datetime, inspect, json, math, os, re, signal, sys, threading, time, zlib
+import argparse, datetime, importlib.util, inspect, json, math, os, re, signal, sys, threading, time, zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from types import SimpleNamespace
-
 import numpy as np
-
 from prepare_data import quiet_interrupt
 if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
     quiet_interrupt()
@@ -30,13 +24,10 @@ from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, 
 from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the sizes and the options
-
-# The paper's sizes: its v1 batch (512 x 512 tokens) and v2 budgets (~20 tokens per parameter). Its rates
-# are unpublished: these are conservative GPT-3/Pythia values (LEV's product spikes at too high a rate).
-# Heads of 128 dims; the depth brings the *tied* model (embedding included, as the paper counts) closest
-# to its size with o200k_base: 203.2M, 397.6M, 1.219B. D = 2048 at 1.2B is the paper's, 768 and 1024 the
-# usual GPT-2/LLaMA widths. tiny (TrainConfig's defaults): minutes on a 2-core CPU, heads of 32 dims, and
-# h * r = D LEV modes (h=4, r=32), not the paper's 512, which at D = 128 would outweigh the backbone.
+# The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative GPT-3/Pythia
+# rates (it publishes none; LEV's product spikes at too high a rate). Heads of 128 dims and the depth that brings
+# the *tied* model (embedding included, as the paper counts) closest to its size with o200k_base: 203.2M, 397.6M,
+# 1.219B. tiny (TrainConfig's defaults): minutes on a 2-core CPU; h * r = D LEV modes, not the paper's 512.
 PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512, micro_batch=16,
              warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
 SIZES = {  # each size: the TrainConfig fields it sets
@@ -45,9 +36,8 @@ SIZES = {  # each size: the TrainConfig fields it sets
     "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
     "1.2b": dict(PAPER, d_model=2048, n_layer=16, n_head=16, total_tokens=24_100_000_000, lr=2e-4),
 }
-# (lr_input, lr_head) per size and arm, multipliers of lr (Model.configure_optimizers): the width
-# sweep's best at D = 128, its power laws extrapolated above (experiments/study.md). Zero-initialised
-# heads and the tied table want far more than the backbone's rate, LEV a tenth of it.
+# (lr_input, lr_head) per size and arm, x lr (Model.configure_optimizers): the width sweep's best at D = 128, its
+# power laws above (experiments/study.md). Zero heads and the tied table want far more than lr, LEV a tenth.
 LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)},
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
@@ -117,52 +107,50 @@ RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_toke
 def parse_args(argv):
     """--name=value options -> {field: value} for the fields given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sized = set().union(*SIZES.values())
     for f in fields(TrainConfig):
         kind = next(t for t in getattr(f.type, "__args__", [f.type]) if t is not type(None))
-        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
-            type=parse_number(kind) if kind in (int, float) else str)
-        shown = f" (default: {f.default!r}{'; other sizes set their own' if f.name in sized else ''})"
-        parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                            help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
+        sized = "; other sizes set their own" if any(f.name in fixed for fixed in SIZES.values()) else ""
+        parser.add_argument(f"--{f.name}", type=parse_bool if kind is bool else parse_number(kind) if kind in (
+            int, float) else str, nargs="?" if kind is bool else None, const=True if kind is bool else None,
+            default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+            help=f"{f.metadata['help']} (default: {f.default!r}{sized})".replace("%", "%%"))
     return vars(parser.parse_args(argv))
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
-    v = asdict(c)
+    v, choices = asdict(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
-    choices = dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
     for bad, message in [
             # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
             *((not abs(x) <= FLOAT32_MAX, f"--{k}={x}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
               for k, x in v.items() if isinstance(x, float)),
-            (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX,
-             f"--lr={c.lr} times --lr_input or --lr_head is beyond float32 ({FLOAT32_MAX:.3g})"),
+            (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX, f"--lr={c.lr} times --lr_input or --lr_head "
+                                                                      f"is beyond float32 ({FLOAT32_MAX:.3g})"),
             *((v[k] not in kinds, f"--{k}={v[k]}: must be one of {', '.join(kinds)}") for k, kinds in choices.items()),
             *((not 0 < v[k] < math.inf, f"--{k}={v[k]}: must be > 0") for k in positive),
             *((not 0 <= v[k] < math.inf, f"--{k}={v[k]}: must be >= 0") for k in ("warmup_steps", "weight_decay",
                                                                                   "stop_step")),
             *((not 0 <= v[k] < 1, f"--{k}={v[k]}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
+            (c.total_tokens < c.batch_tokens, f"--total_tokens={c.total_tokens}: less than one step (--batch_tokens)"),
             (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
             (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
             (c.embedding == "tied" and c.lr_head != 1.0,
              "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
+            (c.wandb_project and not importlib.util.find_spec("wandb"), "--wandb_project needs wandb: pip install wandb"),
             (c.wandb_run_name and not c.wandb_project, "--wandb_run_name needs --wandb_project")]:
         if bad:
             raise UserError(message)
     return c
 
 def resolve(given, saved=None):
-    """The full TrainConfig: the options given over the checkpoint's saved config when resuming,
-    else over the chosen size's fields and TrainConfig's defaults."""
+    """The full TrainConfig: the options given over the checkpoint's config (resuming), else over the size's."""
     if saved is not None:
-        changed = {k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v}
-        if changed:
+        if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
-                f"{k}={saved.get(k)} there, {given[k]} here" for k in sorted(changed)) + "; use another --out_dir")
+                f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
         try:
             return check(TrainConfig(**{**saved, **given}))
         except TypeError as e:  # a checkpoint from another version of train.py
@@ -171,8 +159,8 @@ def resolve(given, saved=None):
     lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check refuses it
     config = check(TrainConfig(**{**SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
                                   "out_dir": os.path.join("out", f"{size}-{arm}"), **given}))
-    if default_data(config.data_dir):
-        model_config(config, default_data(config.data_dir)[1])  # the model's shape, before any data is read
+    if data := default_data(config.data_dir):
+        model_config(config, data[1])  # the model's shape, before any data is read
     return config
 
 def default_data(data_dir):  # a size's own data folder: its DATA entry (None for another folder)
@@ -185,15 +173,11 @@ def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
-
 # ---------------------------------------------------------------------------- stop signals and output
-
-# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the
-# time limit; SIGHUP: the terminal closed. Each is a preemption: save and exit, with no evaluation
-# in between. A reader of stdout that went away (`train.py | head`) stops the run the same way (show).
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
-                     if hasattr(signal, name))  # Windows has no SIGUSR1 or SIGHUP
-STOP = {"signal": None}
+# SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the time
+# limit; SIGHUP: the terminal closed. Each is a preemption: save and exit, with no evaluation in between.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP") if hasattr(signal, name)]
+STOP = {"signal": None}  # (Windows has no SIGUSR1 or SIGHUP)
 
 def on_signal(signum, frame):
     # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
@@ -204,13 +188,13 @@ def on_signal(signum, frame):
         return
     STOP["signal"] = signum
     try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
-        os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of "
-                                      "this step\n".encode())
+        os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this "
+                                      "step\n".encode())
     except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
         pass
 
 def show(text):
-    """print for the run's output; a reader gone away stops the run as a signal does, and the rest goes nowhere."""
+    """print; a reader gone away (`train.py | head`) stops the run as a signal does, and the rest goes nowhere."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -230,8 +214,10 @@ def launch_env():
         rank, world, local = -1, 0, 0
     if not (0 <= rank < world and 0 <= local < world) or (world > 1 and {"MASTER_ADDR", "MASTER_PORT"} - set(given)):
         raise UserError(" ".join(f"{k}={v}" for k, v in given.items()) + " without torchrun's full set (RANK < "
-                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): unset them to train in one process, or launch with "
-                        "torchrun (README)")
+                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): unset them, or launch with torchrun (README)")
+    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and not given:
+        raise UserError("one of several SLURM tasks without torchrun: each would train alone into the same "
+                        "out_dir; launch with `srun torchrun ... train.py` (README)")
     return rank, world, local
 
 def setup_device(config):
@@ -241,9 +227,6 @@ def setup_device(config):
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
     if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP takes it with NCCL only
         raise UserError("--bf16_allreduce needs NCCL, which runs on CUDA GPUs only; leave it off here")
-    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in os.environ:
-        raise UserError("started as one of several SLURM tasks without torchrun: every task would train "
-                        "alone into the same out_dir; launch with `srun torchrun ... train.py` (README)")
     if config.deterministic:  # cuBLAS repeats its reductions only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -271,13 +254,12 @@ def open_data(data_dir):
         listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
         if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
             raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, meta.json lists "
-                            f"{listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or added by hand; "
-                            "prepare the data again")
+                            f"{listed.get('shards')} of {listed.get('tokens'):,}: prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
 
 def data_fingerprint(splits):
-    """{split: {shard: [tokens, checksum of its first 4,096]}}: the data a run trains on, kept in its
-    checkpoint, so that a resume on data prepared again (or a shard lost) is refused, not mixed in."""
+    """{split: {shard: [tokens, checksum of its first 4,096]}}: kept in the checkpoint, so that a resume on
+    data prepared again (or a shard lost) is refused, not mixed in."""
     return {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
                     for s in shards} for split, shards in splits.items()}
 
@@ -342,8 +324,7 @@ def read_log(path):
             records.append(None)
         if not (isinstance(records[-1], dict) and records[-1].get("type") in ("train", "eval")
                 and isinstance(records[-1].get("step"), int)):
-            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete that line "
-                            "and run again")
+            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
     return records
 
 def keep_log_until(path, step):
@@ -362,9 +343,9 @@ def lock_run_folder(out_dir):
     None where there are no locks (Windows, some cluster filesystems): the folder goes unlocked."""
     try:
         import fcntl  # POSIX only
-        folder = os.open(out_dir, os.O_RDONLY)
     except ImportError:
         return None
+    folder = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return folder
@@ -374,17 +355,16 @@ def lock_run_folder(out_dir):
             raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
                             "another --out_dir") from None
 
-def check_checkpoint_fits(ckpt, path, config, model_cfg, meta, data):
+def check_fit(ckpt, path, config, model_cfg, meta, data):
     """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may
     evaluate on other data; a checkpoint of an older train.py has no fingerprint)."""
     there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
     if diff := ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v):
-        raise UserError(f"{path} holds a different model ({diff}): a dataset with another tokenizer or other "
-                        "model options; use the checkpoint's or another --out_dir")
+        raise UserError(f"{path} holds a different model ({diff}): data of another tokenizer or other model "
+                        "options; use the checkpoint's or another --out_dir")
     if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
-        raise UserError(f"{path} was trained on data from another tokenizer ({old.get('tokenizer')}, "
-                        f"{old.get('vocab_size')} ids) than this dataset ({meta.get('tokenizer')}, "
-                        f"{meta.get('vocab_size')} ids)")
+        raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}) than "
+                        f"{config.data_dir} ({meta['tokenizer']})")
     if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
         raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
                         "resume on the data it was trained on, or start a new run with another --out_dir")
@@ -395,37 +375,30 @@ def open_run(argv):
     config = resolve(given)  # also fixes the default out_dir
     path, loading = os.path.join(config.out_dir, "ckpt.pt"), config.resume or config.eval_only
     if loading and not os.path.exists(path):
-        raise UserError(f"no checkpoint {path} to {'resume' if config.resume else 'evaluate'}; train first (without "
-                        f"--{'resume' if config.resume else 'eval_only'}), or pass the run's --out_dir")
+        flag = "resume" if config.resume else "eval_only"
+        raise UserError(f"no checkpoint {path}; train first (without --{flag}), or pass the run's --out_dir")
     if not loading and (written := run_files(config.out_dir)):  # a new run would start over them
         raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume to continue it "
                         "(from its ckpt.pt), or choose another --out_dir")
     device, rank, world = setup_device(config)
-    keys = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
-    ckpt = load_checkpoint(path, keys) if loading else None
+    ckpt = load_checkpoint(path, ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
+                           ) if loading else None
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
     model_cfg, data = model_config(config, meta["vocab_size"]), data_fingerprint(splits)
     if ckpt is not None:
-        check_checkpoint_fits(ckpt, path, config, model_cfg, meta, data)
+        check_fit(ckpt, path, config, model_cfg, meta, data)
     if config.resume:  # the log it continues: damaged, refused before anything is written
         read_log(os.path.join(config.out_dir, "log.jsonl"))
     per_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_step:
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
                         f"{config.micro_batch} x seq_len {config.seq_len} = {per_step:,}; use a multiple of it")
-    if config.total_tokens < config.batch_tokens:
-        raise UserError(f"total_tokens={config.total_tokens:,} is less than one step of {config.batch_tokens:,}")
     train = Windows(splits["train"], config.seq_len, config.seed, meta["vocab_size"])
     val = val_windows(splits["val"], config.seq_len, max(1, config.eval_tokens // config.seq_len), meta["vocab_size"])
     if train.total == 0 or not val:
         raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
-    if config.wandb_project and rank == 0:
-        try:
-            import wandb  # noqa: F401  (checked now, started once the run folder exists)
-        except ImportError:
-            raise UserError("--wandb_project needs wandb: pip install wandb") from None
     lock = None
     if rank == 0:  # the last checks: the run folder is made only once everything else is right
         try:
@@ -445,8 +418,8 @@ def open_run(argv):
 DDP = torch.nn.parallel.DistributedDataParallel
 # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
 # (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers.)
-NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                  else {"broadcast_buffers": False})
+NO_BUFFER_SYNC = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else "broadcast_buffers"): False}
 
 def build(run):
     """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
