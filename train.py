@@ -202,7 +202,6 @@ def show(text):
         STOP["signal"] = STOP["signal"] or signal.SIGPIPE
 
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
-
 def launch_env():
     """(rank, world size, local rank) from torchrun's variables; one process without them. Left over in a
     shell, or set by a scheduler without torchrun, they are refused here, not inside the process group."""
@@ -258,8 +257,7 @@ def open_data(data_dir):
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
 
 def data_fingerprint(splits):
-    """{split: {shard: [tokens, checksum of its first 4,096]}}: kept in the checkpoint, so that a resume on
-    data prepared again (or a shard lost) is refused, not mixed in."""
+    """{split: {shard: [tokens, crc32 of its first 4,096]}}, saved with the run: a resume on other data is refused."""
     return {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
                     for s in shards} for split, shards in splits.items()}
 
@@ -301,8 +299,8 @@ def val_windows(shards, seq_len, n, vocab_size):
     return [checked_window(s, start, seq_len, vocab_size) for s, start in starts]
 
 def checked_window(shard, start, seq_len, vocab_size):
-    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens
-    under an intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
+    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens under an
+    intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
     window = shard[start:start + seq_len + 1]
     if window.max() >= vocab_size:
         at = start + int(np.argmax(window >= vocab_size))
@@ -356,8 +354,7 @@ def lock_run_folder(out_dir):
                             "another --out_dir") from None
 
 def check_fit(ckpt, path, config, model_cfg, meta, data):
-    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may
-    evaluate on other data; a checkpoint of an older train.py has no fingerprint)."""
+    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data)."""
     there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
     if diff := ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v):
         raise UserError(f"{path} holds a different model ({diff}): data of another tokenizer or other model "
@@ -485,7 +482,6 @@ def set_up(argv):
     return run
 
 # ---------------------------------------------------------------------------- one step, and its log line
-
 def lr_at(step, config, max_steps):
     """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
     if step < config.warmup_steps:
@@ -495,8 +491,8 @@ def lr_at(step, config, max_steps):
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
 
 def to_batch(windows, device, lev):
-    """(inputs, targets, distinct) on the device; LEV's distinct_ids are made here, on the CPU, so the
-    step need not wait for the GPU to know their number. To a GPU all go in one pinned, async copy."""
+    """(inputs, targets, distinct) on the device; LEV's distinct_ids are found here, on the CPU, so that the host
+    need not wait for the GPU to know their number. To a GPU all go in one pinned, asynchronous copy."""
     xy = torch.from_numpy(np.stack(windows).astype(np.int64))
     parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
     if device.type == "cuda":
@@ -505,8 +501,8 @@ def to_batch(windows, device, lev):
     return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
 
 def train_step(run):
-    """One optimizer step over batch_tokens. Rank r's micro-step m takes the fixed slice
-    (r * accum + m) of the step's windows, so the batch is the same for any world size."""
+    """One optimizer step. Rank r's micro-step m takes slice r * accum + m of the step's windows: any world size
+    trains on the same batch."""
     micro_batch, step_windows = run.config.micro_batch, run.config.batch_tokens // run.config.seq_len
     for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
         group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
@@ -542,8 +538,7 @@ PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 
               "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 def peak_flops(device_name):
-    """The first PEAK_FLOPS entry whose words are whole words of the name ("NVIDIA A100-SXM4-80GB"):
-    a GB200 is not a B200. None if there is none: no MFU rather than a wrong one."""
+    """The first PEAK_FLOPS entry made of whole words of the name (a GB200 is no B200); None: no MFU, not a wrong one."""
     words = set(re.split(r"[\s\-_]+", device_name.upper()))
     return next((flops for key, flops in PEAK_FLOPS.items() if set(key.upper().split()) <= words), None)
 
@@ -572,10 +567,8 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
     log_record(run, record)
 
 # ---------------------------------------------------------------------------- evaluation
-
 def bucket_sums(losses, target_counts, n_buckets):
-    """Per-token losses (nats) and each target's training count -> summed nats and tokens per bucket.
-    Bucket 0: count 0; bucket j >= 1: counts in [10^(j-1), 10^j). Sums, so ranks add theirs."""
+    """Summed nats and tokens per bucket of the targets' training counts: 0, then [10^(j-1), 10^j) for bucket j."""
     edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
     bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
     nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
@@ -589,9 +582,8 @@ def bucket_table(nats, tokens):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss, perplexity, bits per byte and the frequency table over the fixed validation windows.
-    Every rank evaluates every world_size-th window; one all_reduce adds up the sums."""
-    # raw_model (compiled, not DDP): DDP's forward syncs buffers, which a rank with fewer windows would miss
+    """Loss, perplexity, bits per byte and the frequency table over the validation windows: each rank takes every
+    world_size-th, one all_reduce adds the sums. raw_model, not DDP's forward, which a rank with fewer would miss."""
     model, micro_batch = run.raw_model, run.config.micro_batch
     n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # count 0, then the decades the largest count needs
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
@@ -629,15 +621,12 @@ def report_eval(run, result):
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
 
 # ---------------------------------------------------------------------------- checkpoints
-#
-# ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens
-# // seq_len windows, and no step draws a random number, so there is no RNG state. sample.py reads it.
-# Waiting for the write would cost a 1.2b run ~12% of its wall time (~15 GB at 5 s/GB every 1,000
-# steps): rank 0 copies the state to CPU memory (seconds) and a thread writes it while training goes on.
+# ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens // seq_len
+# windows, and no step draws a random number (no RNG state). Waiting for a 1.2b save (~15 GB at 5 s/GB every
+# 1,000 steps) would cost ~12% of the run: rank 0 copies the state to CPU memory and a thread writes it.
 
 def cpu_copy(obj, copies):
-    """obj (dicts and lists of tensors) with each tensor copied into CPU memory; a tensor met twice
-    (the tied table is also the head) is copied once, so torch.save still writes it once."""
+    """obj's tensors copied to the CPU; one met twice (the tied table is also the head) is copied, and saved, once."""
     if isinstance(obj, torch.Tensor):
         if id(obj) not in copies:
             copies[id(obj)] = obj.detach().to("cpu", copy=True)
@@ -693,7 +682,6 @@ def shut_down(code):
     return code
 
 # ---------------------------------------------------------------------------- main: set-up, the loop, shut-down
-
 def main(argv):
     run = set_up(argv)
     if run is None:
@@ -702,9 +690,7 @@ def main(argv):
     try:
         if config.eval_only:
             report_eval(run, evaluate(run))
-        elif run.step >= run.max_steps:
-            show(f"the run is complete ({run.step} steps); nothing to do")
-        else:
+        else:  # (a run resumed at its last step goes straight to "done")
             for signum in STOP_SIGNALS:
                 signal.signal(signum, on_signal)
             seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
