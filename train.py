@@ -583,7 +583,8 @@ def bucket_table(nats, tokens):
 @torch.no_grad()
 def evaluate(run):
     """Loss, perplexity, bits per byte and the frequency table over the validation windows: each rank takes every
-    world_size-th, one all_reduce adds the sums. raw_model, not DDP's forward, which a rank with fewer would miss."""
+    world_size-th, one all_reduce adds the sums. It runs raw_model: DDP's forward syncs buffers, a collective that
+    a rank with fewer windows would miss."""
     model, micro_batch = run.raw_model, run.config.micro_batch
     n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # count 0, then the decades the largest count needs
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
