@@ -151,11 +151,10 @@ def read_shard(path, vocab_size=None):
                      (vocab <= 0 or width != token_dtype(vocab).itemsize,
                       f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
                      (size != HEADER_BYTES + n * width, f"file is {size} bytes but its header promises {n} tokens = "
-                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)")]:
+                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)"),
+                     (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: from another tokenizer")]:
         if bad:
             raise UserError(f"{path}: {why}; {redo}")
-    if vocab_size is not None and vocab != vocab_size:
-        raise UserError(f"{path} has {vocab} ids, meta.json {vocab_size}: shards from another tokenizer; prepare again")
     if n == 0:  # mmap cannot map zero bytes
         return np.zeros(0, token_dtype(vocab))
     return np.memmap(path, dtype=token_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
@@ -230,8 +229,7 @@ class Tokenizer:
     def token_byte_lengths(self):
         """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
         lengths = np.zeros(self.n_vocab, dtype=np.int64)
-        for token, rank in self.enc._mergeable_ranks.items():
-            lengths[rank] = len(token)
+        lengths[list(self.enc._mergeable_ranks.values())] = list(map(len, self.enc._mergeable_ranks))
         return lengths
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
@@ -240,8 +238,7 @@ def get_tokenizer(name="o200k_base", vocab_size=None):
     in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE: smaller, not remapped."""
     if name not in tiktoken.list_encoding_names():
         raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(tiktoken.list_encoding_names())}")
-    base = "o200k_base" if name == "o200k_harmony" else name  # harmony extends o200k_base
-    if base in BUNDLED:
+    if (base := "o200k_base" if name == "o200k_harmony" else name) in BUNDLED:  # harmony extends o200k_base
         seed_tiktoken_cache(base)
     try:
         enc = tiktoken.get_encoding(name)
@@ -279,8 +276,7 @@ def demo_documents():
         paths += [os.path.join(root, f) for f in files
                   if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
     for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield f.read()
+        yield Path(path).read_text(encoding="utf-8", errors="replace")
     from pydoc_data.topics import topics
     yield from (topics[key] for key in sorted(topics))
 
@@ -303,37 +299,36 @@ def find_files(spec):
         raise UserError(f"{spec}: no {', '.join(SUFFIXES)} files found")
     return files
 
-def _zstd_lines(path):
-    # Read frame by frame: zstandard's stream_reader, and so datasets, ends silently where a file is cut.
+def _zstd_lines(path, f):
+    # Frame by frame, so that a file cut short is an error, not a shorter corpus.
     import zstandard
-    dctx, tail, in_frame = zstandard.ZstdDecompressor(), b"", False
-    with open(path, "rb") as f:
-        frame = dctx.decompressobj()
-        while data := f.read(1 << 20):
-            while data:  # a .zst file may hold several frames back to back
-                try:
-                    chunk = frame.decompress(data)
-                except zstandard.ZstdError as e:
-                    raise UserError(f"{path}: not valid zstd data ({e})") from None
-                in_frame, data = not frame.eof, frame.unused_data if frame.eof else b""
-                frame = dctx.decompressobj() if frame.eof else frame
-                *lines, tail = (tail + chunk).split(b"\n")
-                yield from lines
-    if in_frame:
+    dctx, frame, tail = zstandard.ZstdDecompressor(), None, b""
+    while data := f.read(1 << 20):
+        while data:  # a .zst file may hold several frames back to back
+            frame = dctx.decompressobj() if frame is None or frame.eof else frame
+            try:
+                chunk = frame.decompress(data)
+            except zstandard.ZstdError as e:
+                raise UserError(f"{path}: not valid zstd data ({e})") from None
+            data = frame.unused_data if frame.eof else b""
+            *lines, tail = (tail + chunk).split(b"\n")
+            yield from lines
+    if frame and not frame.eof:
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
     yield tail
 
-def _jsonl_texts(path, lines):
-    # Read here, not by datasets: its errors name no line, and the .zst reader above must feed it.
-    for lineno, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError or invalid UTF-8
-                raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ..., ...}})')
-            yield record["text"]
+def _jsonl_texts(path):
+    # Read here, not by datasets: its errors name no line, and its .zst reader ends silently where a file is cut.
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(_zstd_lines(path, f) if path.endswith(".zst") else f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as e:  # JSONDecodeError or invalid UTF-8
+                    raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ...}})')
+                yield record["text"]
 
 def _parquet_texts(path):
     """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
@@ -356,15 +351,10 @@ def file_documents(files):
             yield Path(path).read_text(encoding="utf-8", errors="replace")
         elif path.endswith(".parquet"):
             yield from _parquet_texts(path)
-        elif path.endswith(".zst"):
-            yield from _jsonl_texts(path, _zstd_lines(path))
         else:
-            with open(path, "rb") as f:
-                yield from _jsonl_texts(path, f)
+            yield from _jsonl_texts(path)
 
 def _hub_documents(split):
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     if not url.hostname:
