@@ -378,20 +378,19 @@ SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up 
 START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
 def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, text, ids + [end-of-text]) in order, a batch at a time (bounded memory) on threads (Rust: no GIL)."""
+    """(index, text, ids + [end-of-text]) for each (index, text), in order, encoded on `workers` threads."""
     docs = iter(docs)
-    while batch := list(itertools.islice(docs, batch_docs)):
-        indices, texts = zip(*batch)
-        for index, text, ids in zip(indices, texts, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers)):
+    while batch := list(itertools.islice(docs, batch_docs)):  # bounded memory; tiktoken's threads free the GIL
+        for (index, text), ids in zip(batch, tok.enc.encode_ordinary_batch([t for _, t in batch], num_threads=workers)):
             yield index, text, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
 
 def _hash_text(digest, text):
     digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
 
-def _resumed(docs, first, last, kept, digest, split):
-    """The documents from `first` on. Those up to `last`, which the complete shards hold (in part), go into
-    digest, which must then be `kept`, the hash progress.json kept (None: an older file, unchecked): an input
-    changed under an interrupted run would mix old and new documents in one dataset."""
+def _resumed(docs, first, skip, kept, digest, split):
+    """The documents from `first` on, once those the complete shards hold hash to `kept` (None: an older progress.json
+    kept none): an input changed under an interrupted run would mix two corpora in one dataset."""
+    last = first - 1 + (skip > 0)  # the last document the complete shards hold (`skip` tokens of `first`)
     changed = UserError(f"the {split} documents the complete shards were made of changed since (up to document "
                         f"{last + 1:,}): restore the input, or delete the output folder to prepare it afresh")
     seen = -1
@@ -406,13 +405,12 @@ def _resumed(docs, first, last, kept, digest, split):
         raise changed
 
 def _write_split(split, docs, tok, args, out_dir, progress):
-    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
-    shard, progress.json records where the next starts (a document, and how many of its tokens are written):
-    a rerun resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
+    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete shard,
+    progress.json records where the next starts (a document, and how many of its tokens are written): a rerun resumes
+    there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
     state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = (args.max_tokens or math.inf) if split == "train" else args.val_tokens
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
-    last = first - 1 + (skip > 0)  # the last document the complete shards hold (in part)
     digest = hashlib.sha1()  # of every document so far: progress.json keeps it at each shard's end
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
@@ -430,12 +428,12 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-    docs = _resumed(docs, first, last, state.get("digest"), digest, split)
+    docs = _resumed(docs, first, skip, state.get("digest"), digest, split)
     for index, text, ids in _tokenized(tok, docs, args.workers):
-        if index > last:  # the ones before are in the digest already (_resumed)
-            _hash_text(digest, text)
         pos = skip if index == first else 0
-        state["documents"] += pos == 0  # a resumed document was counted when it began
+        if pos == 0:  # else it began before the resume: counted, and hashed by _resumed
+            state["documents"] += 1
+            _hash_text(digest, text)
         while pos < len(ids) and state["tokens"] < budget:
             take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
             shard[filled:filled + take] = ids[pos:pos + take]
@@ -499,8 +497,7 @@ def _sources(args):
         name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
         name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        val_files = find_files(args.val)
-        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", lambda: file_documents(val_files)
+        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", functools.partial(file_documents, find_files(args.val))
     if args.dataset == "pile" or args.val:
         return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
     every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
@@ -553,8 +550,7 @@ def prepare(argv=None):
         if not progress["splits"][split]["done"]:
             print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     counts = np.zeros(tok.n_vocab, dtype=np.int64)  # counted from the shards: exact after resuming too
-    for path in shard_paths(out_dir, "train"):
-        tokens = read_shard(path)
+    for tokens in map(read_shard, shard_paths(out_dir, "train")):
         for i in range(0, len(tokens), 1 << 24):  # in slices: bincount makes an int64 copy of what it counts
             counts += np.bincount(tokens[i:i + (1 << 24)], minlength=tok.n_vocab)
     atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
