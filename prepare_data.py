@@ -104,8 +104,7 @@ def write_json(path, obj):
 def read_json(path, fix):
     """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
