@@ -107,13 +107,14 @@ RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_toke
 def parse_args(argv):
     """--name=value options -> {field: value} for the fields given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sized = set().union(*SIZES.values())
     for f in fields(TrainConfig):
         kind = next(t for t in getattr(f.type, "__args__", [f.type]) if t is not type(None))
-        sized = "; other sizes set their own" if any(f.name in fixed for fixed in SIZES.values()) else ""
-        parser.add_argument(f"--{f.name}", type=parse_bool if kind is bool else parse_number(kind) if kind in (
-            int, float) else str, nargs="?" if kind is bool else None, const=True if kind is bool else None,
-            default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-            help=f"{f.metadata['help']} (default: {f.default!r}{sized})".replace("%", "%%"))
+        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
+            type=parse_number(kind) if kind in (int, float) else str)
+        shown = f" (default: {f.default!r}{'; other sizes set their own' if f.name in sized else ''})"
+        parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                            help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
     return vars(parser.parse_args(argv))
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -187,9 +188,10 @@ def on_signal(signum, frame):
             raise SystemExit(128 + signum)
         return
     STOP["signal"] = signum
-    try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
-        os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this "
-                                      "step\n".encode())
+    # os.write, not print: a signal that lands during a print would make print re-enter itself
+    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
+    try:
+        os.write(sys.stdout.fileno(), note.encode())
     except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
         pass
 
@@ -253,7 +255,8 @@ def open_data(data_dir):
         listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
         if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
             raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, meta.json lists "
-                            f"{listed.get('shards')} of {listed.get('tokens'):,}: prepare the data again")
+                            f"{listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or added by hand; "
+                            "prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
 
 def data_fingerprint(splits):
@@ -317,12 +320,13 @@ def read_log(path):
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            records.append(None)
-        if not (isinstance(records[-1], dict) and records[-1].get("type") in ("train", "eval")
-                and isinstance(records[-1].get("step"), int)):
+            record = None
+        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
+                and isinstance(record.get("step"), int)):
             raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
+        records.append(record)
     return records
 
 def keep_log_until(path, step):
@@ -354,9 +358,12 @@ def lock_run_folder(out_dir):
                             "another --out_dir") from None
 
 def check_fit(ckpt, path, config, model_cfg, meta, data):
-    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data)."""
+    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data;
+    a checkpoint of an older train.py has no fingerprint)."""
     there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
-    if diff := ", ".join(f"{k}={there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v):
+    if there != here:
+        diff = ", ".join(f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
+                         if there.get(k) != here.get(k))
         raise UserError(f"{path} holds a different model ({diff}): data of another tokenizer or other model "
                         "options; use the checkpoint's or another --out_dir")
     if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
@@ -378,8 +385,8 @@ def open_run(argv):
         raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume to continue it "
                         "(from its ckpt.pt), or choose another --out_dir")
     device, rank, world = setup_device(config)
-    ckpt = load_checkpoint(path, ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
-                           ) if loading else None
+    keys = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
+    ckpt = load_checkpoint(path, keys) if loading else None
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
@@ -405,7 +412,8 @@ def open_run(argv):
         lock = lock_run_folder(config.out_dir)
     # What the loop needs. counts: each id's count in the train split (the frequency buckets);
     # byte_lengths: UTF-8 bytes per id (bits per byte); accum: micro-steps per step on each rank;
-    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met.
+    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met;
+    # data: what the run trains on (data_fingerprint), saved with it.
     return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
                            byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt, lock=lock,
                            device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
@@ -415,8 +423,8 @@ def open_run(argv):
 DDP = torch.nn.parallel.DistributedDataParallel
 # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
 # (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers.)
-NO_BUFFER_SYNC = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                   else "broadcast_buffers"): False}
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
 
 def build(run):
     """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
@@ -442,13 +450,10 @@ def build(run):
             run.model.register_comm_hook(None, bf16_compress_hook)
 
 def failed_rank(error):
-    """None if set-up succeeded on every rank, else the rank that tells why: the lowest that failed (a file
-    missing on one node), so that all ranks stop here, not in the next collective, waiting for it."""
-    if not dist.is_initialized():  # each rank fails alike before the process group and names itself
-        try:
-            return None if error is None else launch_env()[0]
-        except UserError:  # the launcher's variables refused: this process tells
-            return 0
+    """The lowest rank whose set-up failed (a file missing on one node), or None: all ranks learn of
+    it here instead of waiting for it in the next collective."""
+    if not dist.is_initialized():
+        return 0 if error is not None else None  # every rank fails alike before the process group
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
@@ -462,7 +467,11 @@ def set_up(argv):
     except UserError as e:
         error = e
     if (lowest := failed_rank(error)) is not None:
-        if lowest == (dist.get_rank() if dist.is_initialized() else 0):
+        try:  # before the process group: torchrun's rank (0 where launch_env refuses its variables)
+            rank = dist.get_rank() if dist.is_initialized() else launch_env()[0]
+        except UserError:
+            rank = 0
+        if rank == lowest:
             print_error(error)
         return None
     build(run)
@@ -640,11 +649,10 @@ def checkpoint(run, wait=False):
     """Save the run at this step, one write at a time; wait=True (the last step, a preemption): on disk at return."""
     wait_for_save(run)
     if run.rank == 0:
-        state = cpu_copy(dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
-                              model_config=asdict(run.model_config), train_config=asdict(run.config),
-                              data_meta=run.meta, data=run.data, step=run.step,
-                              tokens_seen=run.step * run.config.batch_tokens), {})
-        run.saving = threading.Thread(target=write_checkpoint, args=(run, state))
+        state = dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
+                     model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
+                     data=run.data, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
+        run.saving = threading.Thread(target=write_checkpoint, args=(run, cpu_copy(state, {})))
         run.saving.start()
     if wait:
         wait_for_save(run)
@@ -654,10 +662,11 @@ def write_checkpoint(run, state):
     path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
     try:
         atomic_write(path, lambda f: torch.save(state, f))
-        show(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
     except (OSError, RuntimeError) as e:  # no space left: torch.save raises either; wait_for_save reports it
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         run.save_error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
+        return
+    show(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
 
 def wait_for_save(run):
     """Rank 0 waits for the write in flight; then every rank learns whether it failed, and all stop alike."""
@@ -691,7 +700,9 @@ def main(argv):
     try:
         if config.eval_only:
             report_eval(run, evaluate(run))
-        else:  # (a run resumed at its last step goes straight to "done")
+        elif run.step >= run.max_steps:
+            show(f"the run is complete ({run.step} steps); nothing to do")
+        else:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, on_signal)
             seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
