@@ -3,11 +3,11 @@
     python train.py --size=tiny                          # CPU, minutes (data/demo); then --resume or --eval_only
     torchrun --nproc_per_node=8 train.py --size=1.2b     # DDP; add --nnodes/--rdzv_* for several nodes
 
-Every TrainConfig field is an option, --name=value (a bare --flag is true), over SIZES[--size] and tiny's defaults.
+Every key of DEFAULTS is an option, --name=value (a bare --flag is true), over SIZES[--size] and tiny's defaults.
 """
-import argparse, datetime, importlib.util, inspect, json, math, os, re, signal, sys, threading, time, zlib
+import argparse, datetime, importlib.util, inspect, json, math, os, signal, sys, time, zlib
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 import numpy as np
 from prepare_data import quiet_interrupt
@@ -23,14 +23,37 @@ from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, 
                           print_error, read_shard, run_main, shard_paths, tokenizer_from_meta, write_json)
 from sample import load_checkpoint, precision
 
-# ---------------------------------------------------------------------------- the sizes and the options
+# ---------------------------------------------------------------------------- the options and the sizes
+DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU, with h * r = D LEV modes (not the paper's 512)
+    # embedding: lev (Leviathan) | tied (the paper's baseline) | untied (ablation); out_dir "": out/<size>-<embedding>
+    size="tiny", embedding="lev", data_dir="data/demo", out_dir="",
+    # the model (leviathan.Config checks it; vocab_size comes from the data), D and rotary base; then LEV's k digits
+    # per id, d_seed, h heads, kappa knots, r modes per head, and t = sigmoid(scale * u): (R) 1/2, 1 in the study
+    d_model=128, n_layer=4, n_head=4, seq_len=256, rope_theta=10_000.0,
+    lev_digits=3, lev_seed_dim=128, lev_heads=4, lev_knots=16, lev_rank=32, lev_sigmoid_scale=0.5,
+    # steps = total_tokens // batch_tokens, tokens per step over all GPUs whatever their number; micro_batch:
+    # sequences per GPU per forward pass, accumulation fills the rest
+    total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16,
+    # AdamW: lr for the backbone, x lr_input for the input side (LEV or the table), x lr_head for the untied head
+    # (None: LR_SCALES); linear warmup, cosine decay to min_lr_frac * lr; weight decay on matrices only
+    lr=3e-3, lr_input=None, lr_head=None, warmup_steps=30, min_lr_frac=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95,
+    grad_clip=1.0, seed=1337,  # seed: the model's init and the data order
+    # every *_interval steps and at the end; eval_tokens: the first of the val split; eval_only: evaluate
+    # out_dir/ckpt.pt; resume: continue from it; stop_step: save and exit after it, the schedule unchanged (0: never)
+    eval_interval=200, eval_tokens=1 << 16, log_interval=10, ckpt_interval=200, eval_only=False, resume=False,
+    stop_step=0,
+    # device: auto (cuda if there is a GPU) | cpu | cuda; compile, bf16 autocast (LEV and the softmax stay float32):
+    # None, on for CUDA only; bf16_allreduce: DDP's gradients in bf16, half the traffic (NCCL); deterministic:
+    # bit-identical reruns and resumes (CUDA: slower); wandb_project: log to Weights & Biases (pip install wandb)
+    device="auto", compile=None, bf16=None, bf16_allreduce=False, deterministic=False, wandb_project="")
+KINDS = {"lr_input": float, "lr_head": float, "compile": bool, "bf16": bool}  # the options whose default is None
 # The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative GPT-3/Pythia
 # rates (it publishes none; LEV's product spikes at too high a rate). Heads of 128 dims and the depth that brings
 # the *tied* model (embedding included, as the paper counts) closest to its size with o200k_base: 203.2M, 397.6M,
-# 1.219B. tiny (TrainConfig's defaults): minutes on a 2-core CPU; h * r = D LEV modes, not the paper's 512.
+# 1.219B.
 PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512, micro_batch=16,
              warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
-SIZES = {  # each size: the TrainConfig fields it sets
+SIZES = {  # each size: the options it sets over DEFAULTS
     "tiny": {},
     "200m": dict(PAPER, d_model=768, n_layer=7, n_head=6, total_tokens=4_200_000_000, lr=6e-4),
     "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
@@ -44,104 +67,45 @@ LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 3
              "1.2b": {"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}}
 # The sizes' data folders: the command that makes each, and its tokenizer's ids (to check the shape early).
 DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192), "data/pile": ("python prepare_data.py", 200_019)}
-
-def option(default, help):
-    return field(default=default, metadata={"help": help})
-
-@dataclass
-class TrainConfig:
-    # what to train, on what
-    size: str = option("tiny", f"one of {', '.join(SIZES)}: the model and its defaults (SIZES)")
-    embedding: str = option("lev", "lev (Leviathan) | tied (the paper's baseline) | untied (ablation)")
-    data_dir: str = option("data/demo", "a folder prepare_data.py wrote")
-    out_dir: str = option("", "the run folder; empty: out/<size>-<embedding>")
-    # model shape (vocab_size comes from the data); leviathan.Config checks it
-    d_model: int = option(128, "model width D")
-    n_layer: int = option(4, "Transformer blocks")
-    n_head: int = option(4, "attention heads")
-    seq_len: int = option(256, "tokens per training sequence (the context)")
-    rope_theta: float = option(10_000.0, "rotary base")
-    lev_digits: int = option(3, "LEV: k, digits per id")
-    lev_seed_dim: int = option(128, "LEV: d_seed, the seed's width")
-    lev_heads: int = option(4, "LEV: h heads")
-    lev_knots: int = option(16, "LEV: kappa, B-spline knots")
-    lev_rank: int = option(32, "LEV: r, modes per head")
-    lev_sigmoid_scale: float = option(0.5, "LEV: t = sigmoid(scale * u), (R) 1/2; 1 as in the study's first part")
-    # budget, batch and optimiser
-    total_tokens: int = option(2_703_360, "training tokens; steps = total_tokens // batch_tokens")
-    batch_tokens: int = option(16 * 256, "tokens per optimizer step over all GPUs (whatever the world size)")
-    micro_batch: int = option(16, "sequences per GPU per forward pass; accumulation fills the rest")
-    lr: float = option(3e-3, "peak learning rate of the backbone")
-    lr_input: float | None = option(None, "x lr for the input side (LEV, or the table); None: LR_SCALES[size][arm]")
-    lr_head: float | None = option(None, "x lr for the untied head (lev, untied); None: LR_SCALES[size][arm]")
-    warmup_steps: int = option(30, "steps of linear warmup")
-    min_lr_frac: float = option(0.1, "cosine decay ends at min_lr_frac * lr")
-    weight_decay: float = option(0.1, "on the backbone and head matrices only")
-    beta1: float = option(0.9, "AdamW's first-moment decay")
-    beta2: float = option(0.95, "AdamW's second-moment decay")
-    grad_clip: float = option(1.0, "largest gradient norm")
-    seed: int = option(1337, "model init and data order")
-    # evaluation, logging, checkpoints
-    eval_interval: int = option(200, "steps between evaluations (and one at the end)")
-    eval_tokens: int = option(1 << 16, "validation tokens evaluated (the first of the val split)")
-    log_interval: int = option(10, "steps between log lines")
-    ckpt_interval: int = option(200, "steps between checkpoints (and one at the end)")
-    eval_only: bool = option(False, "evaluate out_dir/ckpt.pt and exit")
-    resume: bool = option(False, "continue from out_dir/ckpt.pt")
-    stop_step: int = option(0, "save and exit after this step, schedule unchanged (0: run to the end)")
-    # hardware
-    device: str = option("auto", "auto (cuda if there is a GPU) | cpu | cuda")
-    compile: bool | None = option(None, "torch.compile; None: on for CUDA, off for CPU")
-    bf16: bool | None = option(None, "bf16 autocast (LEV and the softmax stay float32); None: on for CUDA, off for CPU")
-    bf16_allreduce: bool = option(False, "DDP on CUDA: all-reduce gradients in bf16, half the traffic (several nodes)")
-    deterministic: bool = option(False, "deterministic kernels: bit-identical reruns and resumes (CUDA: slower)")
-    wandb_project: str = option("", "log to Weights & Biases (needs `pip install wandb`)")
-    wandb_run_name: str = option("", "the run's name there")
-
 MODEL_FIELDS = [f.name for f in fields(Config) if f.name not in ("vocab_size", "embedding")]
-# On --resume these may change freely; every other field changes the loss curve and must match.
+# On --resume these may change freely; every other option changes the loss curve and must match.
 RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval", "ckpt_interval",
                "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
-               "wandb_project", "wandb_run_name"}
+               "wandb_project"}
 
 def parse_args(argv):
-    """--name=value options -> {field: value} for the fields given (--resume must know which)."""
+    """--name=value options -> {name: value} for the options given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sized = set().union(*SIZES.values())
-    for f in fields(TrainConfig):
-        kind = next(t for t in getattr(f.type, "__args__", [f.type]) if t is not type(None))
+    for name, default in DEFAULTS.items():
+        kind = KINDS.get(name, type(default))
         how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
             type=parse_number(kind) if kind in (int, float) else str)
-        shown = f" (default: {f.default!r}{'; other sizes set their own' if f.name in sized else ''})"
-        parser.add_argument(f"--{f.name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                            help=(f.metadata["help"] + shown).replace("%", "%%"), **how)
+        parser.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(), **how,
+                            help=f"default {default!r}{'; other sizes set their own' if name in sized else ''}")
     return vars(parser.parse_args(argv))
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+F32 = float(np.finfo(np.float32).max)  # every float option is used in float32: beyond it, inf or nan
 
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
-    v, choices = asdict(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
+    v, choices = vars(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
-    for bad, message in [
-            # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
-            *((not abs(x) <= FLOAT32_MAX, f"--{k}={x}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
-              for k, x in v.items() if isinstance(x, float)),
-            (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX, f"--lr={c.lr} times --lr_input or --lr_head "
-                                                                      f"is beyond float32 ({FLOAT32_MAX:.3g})"),
-            *((v[k] not in kinds, f"--{k}={v[k]}: must be one of {', '.join(kinds)}") for k, kinds in choices.items()),
-            *((not 0 < v[k] < math.inf, f"--{k}={v[k]}: must be > 0") for k in positive),
-            *((not 0 <= v[k] < math.inf, f"--{k}={v[k]}: must be >= 0") for k in ("warmup_steps", "weight_decay",
-                                                                                  "stop_step")),
-            *((not 0 <= v[k] < 1, f"--{k}={v[k]}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
-            (c.total_tokens < c.batch_tokens, f"--total_tokens={c.total_tokens}: less than one step (--batch_tokens)"),
-            (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
-            (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
-            (c.embedding == "tied" and c.lr_head != 1.0,
-             "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
-            (c.wandb_project and not importlib.util.find_spec("wandb"), "--wandb_project needs wandb: pip install wandb"),
-            (c.wandb_run_name and not c.wandb_project, "--wandb_run_name needs --wandb_project")]:
+    rules = [*((k, abs(x) <= F32, f"finite in float32 (<= {F32:.3g})") for k, x in v.items() if isinstance(x, float)),
+             *((k, v[k] in kinds, "one of " + ", ".join(kinds)) for k, kinds in choices.items()),
+             *((k, 0 < v[k] < math.inf, "> 0") for k in positive),
+             *((k, 0 <= v[k] < math.inf, ">= 0") for k in ("warmup_steps", "weight_decay", "stop_step")),
+             *((k, 0 <= v[k] < 1, "in [0, 1) (a decay)") for k in ("beta1", "beta2")),
+             ("seed", 0 <= c.seed < 2**63, "in [0, 2**63)"), ("min_lr_frac", 0 <= c.min_lr_frac <= 1, "in [0, 1]")]
+    for bad, message in [*((not ok, f"--{k}={v[k]}: must be {what}") for k, ok, what in rules),
+                         (c.lr * max(c.lr_input, c.lr_head, 1) > F32, f"--lr={c.lr} times --lr_input or --lr_head "
+                                                                      "is beyond float32"),
+                         (c.total_tokens < c.batch_tokens, f"--total_tokens={c.total_tokens}: less than one step"),
+                         (c.embedding == "tied" and c.lr_head != 1.0, "--lr_head: the tied arm has no separate head "
+                                                                      "(its table is the head); use --lr_input"),
+                         (c.wandb_project and not importlib.util.find_spec("wandb"),
+                          "--wandb_project needs wandb: pip install wandb")]:
         if bad:
             raise UserError(message)
     return c
@@ -152,14 +116,13 @@ def resolve(given, saved=None):
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        try:
-            return check(TrainConfig(**{**saved, **given}))
-        except TypeError as e:  # a checkpoint from another version of train.py
-            raise UserError(f"the checkpoint's train_config does not fit this train.py ({e})") from None
+        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:  # unset, an old option changes nothing
+            raise UserError(f"the checkpoint was trained with options this train.py lacks ({', '.join(unknown)})")
+        return check(SimpleNamespace(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
     lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check refuses it
-    config = check(TrainConfig(**{**SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
-                                  "out_dir": os.path.join("out", f"{size}-{arm}"), **given}))
+    config = check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
+                                      "out_dir": os.path.join("out", f"{size}-{arm}"), **given}))
     if data := default_data(config.data_dir):
         model_config(config, data[1])  # the model's shape, before any data is read
     return config
@@ -183,17 +146,15 @@ STOP = {"signal": None}  # (Windows has no SIGUSR1 or SIGHUP)
 def on_signal(signum, frame):
     # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
     # SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
-    if STOP["signal"] is not None:
-        if signum == signal.SIGINT == STOP["signal"]:
-            raise SystemExit(128 + signum)
-        return
-    STOP["signal"] = signum
-    # os.write, not print: a signal that lands during a print would make print re-enter itself
-    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
-    try:
-        os.write(sys.stdout.fileno(), note.encode())
-    except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
-        pass
+    if STOP["signal"] is None:
+        STOP["signal"] = signum
+        try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
+            os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of "
+                                          "this step\n".encode())
+        except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
+            pass
+    elif signum == signal.SIGINT == STOP["signal"]:
+        raise SystemExit(128 + signum)
 
 def show(text):
     """print; a reader gone away (`train.py | head`) stops the run as a signal does, and the rest goes nowhere."""
@@ -203,10 +164,10 @@ def show(text):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         STOP["signal"] = STOP["signal"] or signal.SIGPIPE
 
-# ---------------------------------------------------------------------------- set-up: device, DDP, data
+# ---------------------------------------------------------------------------- the device and the data
 def launch_env():
-    """(rank, world size, local rank) from torchrun's variables; one process without them. Left over in a
-    shell, or set by a scheduler without torchrun, they are refused here, not inside the process group."""
+    """(rank, world size, local rank) from torchrun's variables, one process without them. A partial set (left over
+    in a shell, or a scheduler's without torchrun) is refused here, not inside the process group."""
     given = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
              if k in os.environ}
     try:
@@ -242,7 +203,7 @@ def setup_device(config):
     return device, rank, world
 
 def open_data(data_dir):
-    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
+    """meta.json, the shards of both splits (memory-mapped, those meta.json lists), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = (default_data(data_dir) or [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
@@ -252,7 +213,7 @@ def open_data(data_dir):
         if not (paths := shard_paths(data_dir, split)):
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-        listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
+        listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))
         if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
             raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, meta.json lists "
                             f"{listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or added by hand; "
@@ -263,12 +224,6 @@ def data_fingerprint(splits):
     """{split: {shard: [tokens, crc32 of its first 4,096]}}, saved with the run: a resume on other data is refused."""
     return {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
                     for s in shards} for split, shards in splits.items()}
-
-def data_changes(there, here):
-    """What differs between two data_fingerprint()s, in words (a shard's name holds its split)."""
-    old, new = ({name: v for shards in d.values() for name, v in shards.items()} for d in (there, here))
-    return [f"{name} {'missing' if name not in new else 'added' if name not in old else 'holds other tokens'}"
-            for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
@@ -311,6 +266,7 @@ def checked_window(shard, start, seq_len, vocab_size):
                         f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
     return window
 
+# ---------------------------------------------------------------------------- the run folder
 def read_log(path):
     """log.jsonl's records ([] if none); a last line cut by a kill is left out, any other damaged one refused."""
     if not os.path.exists(path):
@@ -320,13 +276,12 @@ def read_log(path):
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except ValueError:
-            record = None
-        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
-                and isinstance(record.get("step"), int)):
+            records.append(None)
+        if not (isinstance(records[-1], dict) and records[-1].get("type") in ("train", "eval")
+                and isinstance(records[-1].get("step"), int)):
             raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
-        records.append(record)
     return records
 
 def keep_log_until(path, step):
@@ -337,17 +292,17 @@ def keep_log_until(path, step):
 def run_files(out_dir):
     """The files a train.py run writes that are in out_dir (sorted)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    return sorted(n for n in names
-                  if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
+    return sorted(n for n in names if n in ("ckpt.pt", "config.json", "log.jsonl")
+                  or n.startswith("eval_step") and n.endswith(".json"))
 
 def lock_run_folder(out_dir):
     """One train.py per run folder: rank 0 locks it until the run ends (the kernel unlocks a dead process's).
     None where there are no locks (Windows, some cluster filesystems): the folder goes unlocked."""
     try:
         import fcntl  # POSIX only
-    except ImportError:
+        folder = os.open(out_dir, os.O_RDONLY)
+    except (ImportError, OSError):
         return None
-    folder = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return folder
@@ -361,20 +316,23 @@ def check_fit(ckpt, path, config, model_cfg, meta, data):
     """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data;
     a checkpoint of an older train.py has no fingerprint)."""
     there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
-    if there != here:
-        diff = ", ".join(f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
-                         if there.get(k) != here.get(k))
-        raise UserError(f"{path} holds a different model ({diff}): data of another tokenizer or other model "
-                        "options; use the checkpoint's or another --out_dir")
+    if diff := [f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
+                if there.get(k) != here.get(k)]:
+        raise UserError(f"{path} holds a different model ({', '.join(diff)}): data of another tokenizer or other "
+                        "model options; use the checkpoint's or another --out_dir")
     if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
         raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}) than "
                         f"{config.data_dir} ({meta['tokenizer']})")
-    if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
+    saved, now = ({name: v for shards in d.values() for name, v in shards.items()} for d in (ckpt.get("data", {}),
+                                                                                            data))
+    if config.resume and "data" in ckpt and saved != now:  # a shard's name says its split
+        changes = [f"{name} {'missing' if name not in now else 'added' if name not in saved else 'holds other tokens'}"
+                   for name in sorted(saved.keys() | now.keys()) if saved.get(name) != now.get(name)]
         raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
                         "resume on the data it was trained on, or start a new run with another --out_dir")
 
 def open_run(argv):
-    """Every check that can refuse the run, in order, before anything is written; then the Run."""
+    """Every check that can refuse the run, in order, before anything is written; then the run's state."""
     given = parse_args(argv)
     config = resolve(given)  # also fixes the default out_dir
     path, loading = os.path.join(config.out_dir, "ckpt.pt"), config.resume or config.eval_only
@@ -410,15 +368,13 @@ def open_run(argv):
         except OSError as e:
             raise UserError(f"--out_dir={config.out_dir}: cannot create it ({e.strerror})") from None
         lock = lock_run_folder(config.out_dir)
-    # What the loop needs. counts: each id's count in the train split (the frequency buckets);
-    # byte_lengths: UTF-8 bytes per id (bits per byte); accum: micro-steps per step on each rank;
-    # ckpt: to restore (build); saving: rank 0's checkpoint write in flight, save_error what it met;
-    # data: what the run trains on (data_fingerprint), saved with it.
+    # counts: each id's count in the train split (the frequency buckets); byte_lengths: UTF-8 bytes per id (bits
+    # per byte); accum: micro-steps per step on each rank; data: what the run trains on, saved with it.
     return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
                            byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt, lock=lock,
                            device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
                            max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev",
-                           wandb=None, saving=None, save_error=None, data=data)
+                           wandb=None, data=data)
 
 DDP = torch.nn.parallel.DistributedDataParallel
 # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
@@ -449,45 +405,44 @@ def build(run):
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_compress_hook)
 
-def failed_rank(error):
-    """The lowest rank whose set-up failed (a file missing on one node), or None: all ranks learn of
-    it here instead of waiting for it in the next collective."""
-    if not dist.is_initialized():
-        return 0 if error is not None else None  # every rank fails alike before the process group
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
-
 def set_up(argv):
-    """The run, built, its config printed and written; None if set-up failed on any rank (one error line)."""
+    """The run, built, its config printed and written; None if set-up failed on any rank. All ranks learn of a
+    failure here (a file missing on one node), not in the next collective; the lowest failing rank prints it."""
     run, error = None, None
     try:
         run = open_run(argv)
     except UserError as e:
         error = e
-    if (lowest := failed_rank(error)) is not None:
-        try:  # before the process group: torchrun's rank (0 where launch_env refuses its variables)
-            rank = dist.get_rank() if dist.is_initialized() else launch_env()[0]
+    if dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        lowest = torch.tensor(dist.get_rank() if error else dist.get_world_size(), device=device)
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+        if lowest.item() < dist.get_world_size():
+            if dist.get_rank() == lowest.item():
+                print_error(error)
+            return None
+    elif error is not None:  # before the process group every rank fails alike: rank 0 (or an unknown rank) says so
+        try:
+            rank = launch_env()[0]
         except UserError:
             rank = 0
-        if rank == lowest:
+        if rank == 0:
             print_error(error)
         return None
     build(run)
     config, params = run.config, run.raw_model.param_counts()
-    outputs = dict(train=asdict(config), model=asdict(run.model_config))
+    outputs = dict(train=vars(config), model=asdict(run.model_config))
     if run.rank == 0:
         show(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
         show(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
-              f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
+             f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
         if not config.eval_only:
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
             keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
         if config.wandb_project:
             import wandb
-            run.wandb = wandb.init(project=config.wandb_project, name=config.wandb_run_name or None, resume="allow",
-                                   config=dict(outputs, params=params))
+            run.wandb = wandb.init(project=config.wandb_project, name=os.path.basename(os.path.abspath(config.out_dir)),
+                                   resume="allow", config=dict(outputs, params=params))
     return run
 
 # ---------------------------------------------------------------------------- one step, and its log line
@@ -542,15 +497,6 @@ def train_step(run):
     run.optimizer.zero_grad(set_to_none=run.world == 1)
     return loss, grad_norm, stop
 
-# Peak dense bf16 FLOP/s per GPU (vendors' data sheets), for MFU; a variant before the plain name.
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
-              "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-
-def peak_flops(device_name):
-    """The first PEAK_FLOPS entry made of whole words of the name (a GB200 is no B200); None: no MFU, not a wrong one."""
-    words = set(re.split(r"[\s\-_]+", device_name.upper()))
-    return next((flops for key, flops in PEAK_FLOPS.items() if set(key.upper().split()) <= words), None)
-
 def log_record(run, record):
     with open(os.path.join(run.config.out_dir, "log.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -558,19 +504,16 @@ def log_record(run, record):
         run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
 def log_step(run, loss, grad_norm, seconds, steps_done):
-    step, config, cuda = run.step, run.config, run.device.type == "cuda"
+    step, config = run.step, run.config
     tokens_per_s, eta = steps_done * config.batch_tokens / seconds, (run.max_steps - step) * seconds / steps_done
     record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
                   grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
     line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
-    if cuda and (peak := peak_flops(torch.cuda.get_device_name(run.device))):
-        record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
-        line += f" | MFU {100 * record['mfu']:.1f}%"
     if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
         record.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
-    if cuda:  # reserved: what the allocator holds, the figure that must fit the GPU
-        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
-        record["peak_reserved_gb"] = torch.cuda.max_memory_reserved(run.device) / 1e9
+    if run.device.type == "cuda":  # reserved: what the allocator holds, the figure that must fit the GPU
+        record.update(peak_mem_gb=torch.cuda.max_memory_allocated(run.device) / 1e9,
+                      peak_reserved_gb=torch.cuda.max_memory_reserved(run.device) / 1e9)
         line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
     show(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
     log_record(run, record)
@@ -621,8 +564,8 @@ def report_eval(run, result):
     if run.rank != 0:
         return
     show(f"eval step {run.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
-          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens")
-    show(f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
+         f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens\n"
+         f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
     for row in result["buckets"]:
         if row["tokens"]:
             show(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
@@ -632,53 +575,28 @@ def report_eval(run, result):
 
 # ---------------------------------------------------------------------------- checkpoints
 # ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens // seq_len
-# windows, and no step draws a random number (no RNG state). Waiting for a 1.2b save (~15 GB at 5 s/GB every
-# 1,000 steps) would cost ~12% of the run: rank 0 copies the state to CPU memory and a thread writes it.
-
-def cpu_copy(obj, copies):
-    """obj's tensors copied to the CPU; one met twice (the tied table is also the head) is copied, and saved, once."""
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in copies:
-            copies[id(obj)] = obj.detach().to("cpu", copy=True)
-        return copies[id(obj)]
-    if isinstance(obj, dict):
-        return {k: cpu_copy(v, copies) for k, v in obj.items()}
-    return [cpu_copy(v, copies) for v in obj] if isinstance(obj, list) else obj
-
-def checkpoint(run, wait=False):
-    """Save the run at this step, one write at a time; wait=True (the last step, a preemption): on disk at return."""
-    wait_for_save(run)
-    if run.rank == 0:
-        state = dict(model=run.raw_model.state_dict(keep_vars=True), optimizer=run.optimizer.state_dict(),
-                     model_config=asdict(run.model_config), train_config=asdict(run.config), data_meta=run.meta,
+# windows, and no step draws a random number (no RNG state). The write is synchronous, the simplest that is
+# safe: a 1.2b save (~15 GB at ~5 s/GB every 1,000 steps) costs ~12% of that run's time; a larger
+# --ckpt_interval spends less (a preemption still saves through its signal).
+def checkpoint(run):
+    """Rank 0 writes ckpt.pt; every rank learns whether the write failed, so that all stop alike."""
+    error, path, start = None, os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
+    if run.rank == 0:  # torch.save writes a tensor met twice (the tied table is also the head) once
+        state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+                     model_config=asdict(run.model_config), train_config=vars(run.config), data_meta=run.meta,
                      data=run.data, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
-        run.saving = threading.Thread(target=write_checkpoint, args=(run, cpu_copy(state, {})))
-        run.saving.start()
-    if wait:
-        wait_for_save(run)
-
-def write_checkpoint(run, state):
-    """The writer thread. atomic_write: a failed write (a full disk) keeps the previous checkpoint whole."""
-    path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
-    try:
-        atomic_write(path, lambda f: torch.save(state, f))
-    except (OSError, RuntimeError) as e:  # no space left: torch.save raises either; wait_for_save reports it
-        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        run.save_error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
-        return
-    show(f"checkpoint: step {state['step']}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
-
-def wait_for_save(run):
-    """Rank 0 waits for the write in flight; then every rank learns whether it failed, and all stop alike."""
-    if run.saving is not None:
-        run.saving.join()
-        run.saving = None
-    failed = torch.tensor(float(run.save_error is not None), device=run.device)
+        try:  # atomic_write: a failed write (a full disk) keeps the previous checkpoint whole
+            atomic_write(path, lambda f: torch.save(state, f))
+        except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
+            error = UserError(f"could not write {path} ({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
+                              "the previous checkpoint is kept")
+    failed = torch.tensor(float(error is not None), device=run.device)
     if run.world > 1:
         dist.broadcast(failed, 0)
     if failed.item():
-        error, run.save_error = run.save_error or UserError("rank 0 could not write the checkpoint"), None
-        raise error
+        raise error or UserError("rank 0 could not write the checkpoint")
+    if run.rank == 0:
+        show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
 
 def shut_down(code):
     """Leave the process group once every rank is done (rank 0's checkpoint written); returns code."""
@@ -717,25 +635,23 @@ def main(argv):
                 if (run.step % config.eval_interval == 0 or last) and not preempted:  # a preemption saves first
                     report_eval(run, evaluate(run))
                 if run.step % config.ckpt_interval == 0 or last or stop:
-                    checkpoint(run, wait=last or stop)  # the last one must be on disk
+                    checkpoint(run)
                 if stop:
                     why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
                     if run.rank == 0:
                         show(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
-                              "command plus --resume")
+                             "command plus --resume")
                     code = 128 + STOP["signal"] if STOP["signal"] else 0
                     break
             else:
                 if run.rank == 0:
                     show(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
-                          f"checkpoint {config.out_dir}/ckpt.pt")
+                         f"checkpoint {config.out_dir}/ckpt.pt")
     except UserError as e:  # raised on every rank alike: the loss and the checkpoint's outcome are shared
         if run.rank == 0:
             print_error(e)
         code = 1
     finally:
-        if run.saving is not None:
-            run.saving.join()  # a checkpoint still being written is completed
         if run.lock is not None:
             os.close(run.lock)  # the folder is free for the next run
     return shut_down(code)

@@ -630,8 +630,9 @@ def read_runs(out_dir, outputs, figures):
     for check, name in (("memory 200m", "200m-whole"), ("memory 200m ddp", "200m-ddp"), ("memory 1.2b", "1.2b")):
         if check in checks:
             checks[check] = figures["runs"][name]["peak_reserved_gb"]
-    figures["speed"] = {"200m-resumed": speed(by_run["200m-resumed"], micro_batches=4),
-                        "1.2b": speed(by_run["1.2b"], micro_batches=2)}
+    figures["speed"] = {"200m-resumed": speed(by_run["200m-resumed"], 4, os.path.join(out_dir, "200m-resumed"),
+                                              figures["device"]),
+                        "1.2b": speed(by_run["1.2b"], 2, os.path.join(out_dir, "1.2b"), figures["device"])}
     whole = logs["200m-whole"]
     if whole:
         vocab_size = json.load(open(os.path.join(out_dir, "200m-whole", "config.json")))["model"]["vocab_size"]
@@ -716,16 +717,29 @@ def checkpoint_figures(output):
     return dict(checkpoint_gb=size, checkpoint_s=seconds)
 
 
-def speed(records, micro_batches):
-    """Median tokens/s and MFU of one process's steps but its first two (compilation, first allocations),
-    and the time of one micro-step; None if there are none."""
+# Peak dense bf16 FLOP/s per GPU (vendors' data sheets), for MFU; a variant before the plain name.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
+              "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def peak_flops(device_name):
+    """The first PEAK_FLOPS entry made of whole words of the name (a GB200 is no B200); None: no MFU, not a wrong one."""
+    words = set(re.split(r"[\s\-_]+", device_name.upper()))
+    return next((flops for key, flops in PEAK_FLOPS.items() if set(key.upper().split()) <= words), None)
+
+
+def speed(records, micro_batches, run_dir, device_name):
+    """Median tokens/s and MFU (Model.flops_per_token x tokens/s over one GPU's peak) of one process's steps but its
+    first two (compilation, first allocations), and the time of one micro-step; None if there are none."""
     steady = records[2:]
     if not steady:
         return None
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
     batch_tokens = steady[0]["tokens_seen"] // steady[0]["step"]
-    mfu = [r["mfu"] for r in steady if "mfu" in r]
-    return dict(tokens_per_s=tokens_per_s, mfu=statistics.median(mfu) if mfu else None,
+    with torch.device("meta"):
+        flops = Model(Config(**json.load(open(os.path.join(run_dir, "config.json")))["model"])).flops_per_token()
+    peak = peak_flops(device_name)
+    return dict(tokens_per_s=tokens_per_s, mfu=flops * tokens_per_s / peak if peak else None,
                 micro_step_s=batch_tokens / tokens_per_s / micro_batches, steps=len(steady))
 
 

@@ -2,6 +2,7 @@
 line (evaluate.py), the paper's comparison in one command (compare.py), the CPU-scale study's data
 split, tables and errors (study.py), and bench.py's options and GPU acceptance test, run on a CPU
 toy. The tools run as a user runs them: `python -m experiments.X` from the repository root."""
+import dataclasses
 import json
 import math
 import os
@@ -598,6 +599,26 @@ def test_bench_options_out_of_range_are_one_error_line(capsys):
     if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one
         r = run_module("bench", "gpu")
         assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU")
+
+
+def test_peak_flops_match_whole_words_of_the_device_name():
+    assert bench.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert bench.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert bench.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert bench.peak_flops("NVIDIA GB200") == 2500e12  # not a B200
+    assert bench.peak_flops("NVIDIA A10G") is None  # not an A10: no MFU rather than a wrong one
+    assert bench.peak_flops("Tesla V100-SXM2-16GB") is None
+
+
+def test_bench_mfu_is_the_models_flops_over_the_gpus_peak(tmp_path):
+    """speed(): the steps after the first two, their median tokens/s x Model.flops_per_token over the peak."""
+    cfg = leviathan.Config(vocab_size=512, d_model=64, n_layer=2, n_head=2, seq_len=32, lev_heads=2, lev_rank=32)
+    (tmp_path / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
+    records = [dict(step=s, tokens_seen=1024 * s, tokens_per_s=tps) for s, tps in enumerate([1, 2, 3e6, 5e6, 4e6], 1)]
+    on_h100 = bench.speed(records, 2, tmp_path, "NVIDIA H100 80GB HBM3")
+    assert on_h100["tokens_per_s"] == 4e6 and on_h100["steps"] == 3 and on_h100["micro_step_s"] == 1024 / 4e6 / 2
+    assert on_h100["mfu"] == pytest.approx(leviathan.Model(cfg).flops_per_token() * 4e6 / 989e12)
+    assert bench.speed(records, 2, tmp_path, "cpu")["mfu"] is None and bench.speed(records[:2], 2, tmp_path, "cpu") is None
 
 
 def test_bench_gpu_verdict_passes_and_fails_each_check():
