@@ -24,27 +24,27 @@ from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, 
 from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the options and the sizes
-DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU, with h * r = D LEV modes (not the paper's 512)
+DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU, its LEV with h * r = D modes (not the paper's 512)
     # embedding: lev (Leviathan) | tied (the paper's baseline) | untied (ablation); out_dir "": out/<size>-<embedding>
     size="tiny", embedding="lev", data_dir="data/demo", out_dir="",
-    # the model (leviathan.Config checks it; vocab_size comes from the data), D and rotary base; then LEV's k digits
-    # per id, d_seed, h heads, kappa knots, r modes per head, and t = sigmoid(scale * u): (R) 1/2, 1 in the study
+    # the model (leviathan.Config; vocab_size comes from the data): width D, blocks, heads, context, rotary base;
+    # LEV's k digits per id, d_seed, h heads, kappa knots, r modes per head, t = sigmoid(scale * u) with (R) 1/2
     d_model=128, n_layer=4, n_head=4, seq_len=256, rope_theta=10_000.0,
     lev_digits=3, lev_seed_dim=128, lev_heads=4, lev_knots=16, lev_rank=32, lev_sigmoid_scale=0.5,
-    # steps = total_tokens // batch_tokens, tokens per step over all GPUs whatever their number; micro_batch:
-    # sequences per GPU per forward pass, accumulation fills the rest
+    # steps = total_tokens // batch_tokens, the tokens of a step over all GPUs, whatever their number;
+    # micro_batch: sequences per GPU per forward pass, accumulation fills the rest
     total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16,
     # AdamW: lr for the backbone, x lr_input for the input side (LEV or the table), x lr_head for the untied head
-    # (None: LR_SCALES); linear warmup, cosine decay to min_lr_frac * lr; weight decay on matrices only
+    # (None: LR_SCALES); linear warmup, cosine decay to min_lr_frac * lr; weight decay on the matrices only
     lr=3e-3, lr_input=None, lr_head=None, warmup_steps=30, min_lr_frac=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95,
     grad_clip=1.0, seed=1337,  # seed: the model's init and the data order
-    # every *_interval steps and at the end; eval_tokens: the first of the val split; eval_only: evaluate
-    # out_dir/ckpt.pt; resume: continue from it; stop_step: save and exit after it, the schedule unchanged (0: never)
+    # each *_interval steps and at the end; eval_tokens: the first of the val split; eval_only: evaluate
+    # out_dir/ckpt.pt; resume: continue from it; stop_step: save and exit there, the schedule unchanged (0: never)
     eval_interval=200, eval_tokens=1 << 16, log_interval=10, ckpt_interval=200, eval_only=False, resume=False,
     stop_step=0,
-    # device: auto (cuda if there is a GPU) | cpu | cuda; compile, bf16 autocast (LEV and the softmax stay float32):
-    # None, on for CUDA only; bf16_allreduce: DDP's gradients in bf16, half the traffic (NCCL); deterministic:
-    # bit-identical reruns and resumes (CUDA: slower); wandb_project: log to Weights & Biases (pip install wandb)
+    # device: auto (cuda if there is a GPU) | cpu | cuda; compile, and bf16 autocast (LEV and the softmax stay
+    # float32): None, on for CUDA only; bf16_allreduce: DDP's gradients in bf16, half the traffic (NCCL only);
+    # deterministic: bit-identical reruns and resumes (CUDA: slower); wandb_project: log to Weights & Biases there
     device="auto", compile=None, bf16=None, bf16_allreduce=False, deterministic=False, wandb_project="")
 KINDS = {"lr_input": float, "lr_head": float, "compile": bool, "bf16": bool}  # the options whose default is None
 # The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative GPT-3/Pythia
