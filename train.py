@@ -5,7 +5,7 @@
 
 Every key of DEFAULTS is an option, --name=value (a bare --flag is true), over SIZES[--size] and tiny's defaults.
 """
-import argparse, datetime, importlib.util, inspect, json, math, os, signal, sys, time, zlib
+import argparse, datetime, importlib.util, inspect, json, math, os, re, signal, sys, time, zlib
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from types import SimpleNamespace
@@ -85,33 +85,37 @@ def parse_args(argv):
                             help=f"default {default!r}{'; other sizes set their own' if name in sized else ''}")
     return vars(parser.parse_args(argv))
 
-F32 = float(np.finfo(np.float32).max)  # every float option is used in float32: beyond it, inf or nan
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
     v, choices = vars(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
-    rules = [*((k, abs(x) <= F32, f"finite in float32 (<= {F32:.3g})") for k, x in v.items() if isinstance(x, float)),
-             *((k, v[k] in kinds, "one of " + ", ".join(kinds)) for k, kinds in choices.items()),
-             *((k, 0 < v[k] < math.inf, "> 0") for k in positive),
-             *((k, 0 <= v[k] < math.inf, ">= 0") for k in ("warmup_steps", "weight_decay", "stop_step")),
-             *((k, 0 <= v[k] < 1, "in [0, 1) (a decay)") for k in ("beta1", "beta2")),
-             ("seed", 0 <= c.seed < 2**63, "in [0, 2**63)"), ("min_lr_frac", 0 <= c.min_lr_frac <= 1, "in [0, 1]")]
-    for bad, message in [*((not ok, f"--{k}={v[k]}: must be {what}") for k, ok, what in rules),
-                         (c.lr * max(c.lr_input, c.lr_head, 1) > F32, f"--lr={c.lr} times --lr_input or --lr_head "
-                                                                      "is beyond float32"),
-                         (c.total_tokens < c.batch_tokens, f"--total_tokens={c.total_tokens}: less than one step"),
-                         (c.embedding == "tied" and c.lr_head != 1.0, "--lr_head: the tied arm has no separate head "
-                                                                      "(its table is the head); use --lr_input"),
-                         (c.wandb_project and not importlib.util.find_spec("wandb"),
-                          "--wandb_project needs wandb: pip install wandb")]:
+    for bad, message in [
+            # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
+            *((not abs(x) <= FLOAT32_MAX, f"--{k}={x}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
+              for k, x in v.items() if isinstance(x, float)),
+            (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX, f"--lr={c.lr} times --lr_input or --lr_head "
+                                                                      f"is beyond float32 ({FLOAT32_MAX:.3g})"),
+            *((v[k] not in kinds, f"--{k}={v[k]}: must be one of {', '.join(kinds)}") for k, kinds in choices.items()),
+            *((not 0 < v[k] < math.inf, f"--{k}={v[k]}: must be > 0") for k in positive),
+            *((not 0 <= v[k] < math.inf, f"--{k}={v[k]}: must be >= 0") for k in ("warmup_steps", "weight_decay",
+                                                                                  "stop_step")),
+            *((not 0 <= v[k] < 1, f"--{k}={v[k]}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
+            (c.total_tokens < c.batch_tokens, f"--total_tokens={c.total_tokens}: less than one step (--batch_tokens)"),
+            (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
+            (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
+            (c.embedding == "tied" and c.lr_head != 1.0,
+             "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
+            (c.wandb_project and not importlib.util.find_spec("wandb"),
+             "--wandb_project needs wandb: pip install wandb")]:
         if bad:
             raise UserError(message)
     return c
 
 def resolve(given, saved=None):
-    """The full TrainConfig: the options given over the checkpoint's config (resuming), else over the size's."""
+    """The full config: the options given over the checkpoint's (resuming), else over the size's and DEFAULTS."""
     if saved is not None:
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
@@ -146,15 +150,17 @@ STOP = {"signal": None}  # (Windows has no SIGUSR1 or SIGHUP)
 def on_signal(signum, frame):
     # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
     # SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
-    if STOP["signal"] is None:
-        STOP["signal"] = signum
-        try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
-            os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of "
-                                          "this step\n".encode())
-        except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
-            pass
-    elif signum == signal.SIGINT == STOP["signal"]:
-        raise SystemExit(128 + signum)
+    if STOP["signal"] is not None:
+        if signum == signal.SIGINT == STOP["signal"]:
+            raise SystemExit(128 + signum)
+        return
+    STOP["signal"] = signum
+    # os.write, not print: a signal that lands during a print would make print re-enter itself
+    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
+    try:
+        os.write(sys.stdout.fileno(), note.encode())
+    except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
+        pass
 
 def show(text):
     """print; a reader gone away (`train.py | head`) stops the run as a signal does, and the rest goes nowhere."""
@@ -164,10 +170,10 @@ def show(text):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         STOP["signal"] = STOP["signal"] or signal.SIGPIPE
 
-# ---------------------------------------------------------------------------- the device and the data
+# ---------------------------------------------------------------------------- set-up: device, DDP, data
 def launch_env():
-    """(rank, world size, local rank) from torchrun's variables, one process without them. A partial set (left over
-    in a shell, or a scheduler's without torchrun) is refused here, not inside the process group."""
+    """(rank, world size, local rank) from torchrun's variables; one process without them. Left over in a
+    shell, or set by a scheduler without torchrun, they are refused here, not inside the process group."""
     given = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
              if k in os.environ}
     try:
@@ -203,7 +209,7 @@ def setup_device(config):
     return device, rank, world
 
 def open_data(data_dir):
-    """meta.json, the shards of both splits (memory-mapped, those meta.json lists), and the training token counts."""
+    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = (default_data(data_dir) or [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
@@ -213,7 +219,7 @@ def open_data(data_dir):
         if not (paths := shard_paths(data_dir, split)):
             raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-        listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))
+        listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
         if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
             raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, meta.json lists "
                             f"{listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or added by hand; "
@@ -224,6 +230,12 @@ def data_fingerprint(splits):
     """{split: {shard: [tokens, crc32 of its first 4,096]}}, saved with the run: a resume on other data is refused."""
     return {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
                     for s in shards} for split, shards in splits.items()}
+
+def data_changes(there, here):
+    """What differs between two data_fingerprint()s, in words (a shard's name holds its split)."""
+    old, new = ({name: v for shards in d.values() for name, v in shards.items()} for d in (there, here))
+    return [f"{name} {'missing' if name not in new else 'added' if name not in old else 'holds other tokens'}"
+            for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
@@ -266,7 +278,6 @@ def checked_window(shard, start, seq_len, vocab_size):
                         f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
     return window
 
-# ---------------------------------------------------------------------------- the run folder
 def read_log(path):
     """log.jsonl's records ([] if none); a last line cut by a kill is left out, any other damaged one refused."""
     if not os.path.exists(path):
@@ -276,12 +287,13 @@ def read_log(path):
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            records.append(None)
-        if not (isinstance(records[-1], dict) and records[-1].get("type") in ("train", "eval")
-                and isinstance(records[-1].get("step"), int)):
+            record = None
+        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
+                and isinstance(record.get("step"), int)):
             raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
+        records.append(record)
     return records
 
 def keep_log_until(path, step):
@@ -292,17 +304,17 @@ def keep_log_until(path, step):
 def run_files(out_dir):
     """The files a train.py run writes that are in out_dir (sorted)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    return sorted(n for n in names if n in ("ckpt.pt", "config.json", "log.jsonl")
-                  or n.startswith("eval_step") and n.endswith(".json"))
+    return sorted(n for n in names
+                  if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
 
 def lock_run_folder(out_dir):
     """One train.py per run folder: rank 0 locks it until the run ends (the kernel unlocks a dead process's).
     None where there are no locks (Windows, some cluster filesystems): the folder goes unlocked."""
     try:
         import fcntl  # POSIX only
-        folder = os.open(out_dir, os.O_RDONLY)
-    except (ImportError, OSError):
+    except ImportError:
         return None
+    folder = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return folder
@@ -316,18 +328,15 @@ def check_fit(ckpt, path, config, model_cfg, meta, data):
     """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data;
     a checkpoint of an older train.py has no fingerprint)."""
     there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
-    if diff := [f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
-                if there.get(k) != here.get(k)]:
-        raise UserError(f"{path} holds a different model ({', '.join(diff)}): data of another tokenizer or other "
-                        "model options; use the checkpoint's or another --out_dir")
+    if there != here:
+        diff = ", ".join(f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
+                         if there.get(k) != here.get(k))
+        raise UserError(f"{path} holds a different model ({diff}): data of another tokenizer or other model "
+                        "options; use the checkpoint's or another --out_dir")
     if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
         raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}) than "
                         f"{config.data_dir} ({meta['tokenizer']})")
-    saved, now = ({name: v for shards in d.values() for name, v in shards.items()} for d in (ckpt.get("data", {}),
-                                                                                            data))
-    if config.resume and "data" in ckpt and saved != now:  # a shard's name says its split
-        changes = [f"{name} {'missing' if name not in now else 'added' if name not in saved else 'holds other tokens'}"
-                   for name in sorted(saved.keys() | now.keys()) if saved.get(name) != now.get(name)]
+    if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
         raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
                         "resume on the data it was trained on, or start a new run with another --out_dir")
 
@@ -405,28 +414,29 @@ def build(run):
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_compress_hook)
 
+def failed_rank(error):
+    """The lowest rank whose set-up failed (a file missing on one node), or None: all ranks learn of
+    it here instead of waiting for it in the next collective."""
+    if not dist.is_initialized():
+        return 0 if error is not None else None  # every rank fails alike before the process group
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
+
 def set_up(argv):
-    """The run, built, its config printed and written; None if set-up failed on any rank. All ranks learn of a
-    failure here (a file missing on one node), not in the next collective; the lowest failing rank prints it."""
+    """The run, built, its config printed and written; None if set-up failed on any rank (one error line)."""
     run, error = None, None
     try:
         run = open_run(argv)
     except UserError as e:
         error = e
-    if dist.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        lowest = torch.tensor(dist.get_rank() if error else dist.get_world_size(), device=device)
-        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-        if lowest.item() < dist.get_world_size():
-            if dist.get_rank() == lowest.item():
-                print_error(error)
-            return None
-    elif error is not None:  # before the process group every rank fails alike: rank 0 (or an unknown rank) says so
-        try:
-            rank = launch_env()[0]
+    if (lowest := failed_rank(error)) is not None:
+        try:  # before the process group: torchrun's rank (0 where launch_env refuses its variables)
+            rank = dist.get_rank() if dist.is_initialized() else launch_env()[0]
         except UserError:
             rank = 0
-        if rank == 0:
+        if rank == lowest:
             print_error(error)
         return None
     build(run)
@@ -435,7 +445,7 @@ def set_up(argv):
     if run.rank == 0:
         show(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
         show(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
-             f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
+              f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
         if not config.eval_only:
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
             keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
