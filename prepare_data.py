@@ -126,12 +126,10 @@ def write_shard(path, tokens, vocab_size):
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
         raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:5] = MAGIC, VERSION, token_dtype(vocab_size).itemsize, tokens.size, vocab_size
-    def write(f):
-        f.write(header)
-        f.write(np.ascontiguousarray(tokens, token_dtype(vocab_size)))  # an array is a buffer: written as is
-    atomic_write(os.fspath(path), write)
+    header, dtype = np.zeros(HEADER_INTS, dtype="<i4"), token_dtype(vocab_size)
+    header[:5] = MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size
+    # Arrays are buffers: written as they are, not first copied into a bytes object.
+    atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a read-only np.memmap, once its header agrees with the file (and vocab_size)."""
