@@ -358,8 +358,8 @@ def _hub_documents(split):
         import datasets
         datasets.logging.set_verbosity_error()
         files = {"train": "train/*.jsonl.zst", "val": "val.jsonl.zst"}  # val is found only if named
-        yield from (record["text"] for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True,
-                                                                       data_files=files))
+        for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files=files):
+            yield record["text"]
     except OSError as e:  # includes ConnectionError and requests' errors
         raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
 
@@ -417,7 +417,6 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
-
     docs = _resumed(docs, first, skip, state.get("digest"), digest, split)
     for index, text, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
