@@ -417,6 +417,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
             args.max_tokens and split == "train" and rate and not final) else ""
         return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
+
     docs = _resumed(docs, first, skip, state.get("digest"), digest, split)
     for index, text, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
