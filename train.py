@@ -3,7 +3,8 @@
     python train.py --size=tiny                          # CPU, minutes (data/demo); then --resume or --eval_only
     torchrun --nproc_per_node=8 train.py --size=1.2b     # DDP; add --nnodes/--rdzv_* for several nodes
 
-Every key of DEFAULTS is an option, --name=value (a bare --flag is true), over SIZES[--size] and tiny's defaults.
+Each key of DEFAULTS is an option, --name=value (a bare --flag is true); DEFAULTS' comments in train.py say what
+each does, and a size (SIZES) sets its own values over tiny's.
 """
 import argparse, datetime, importlib.util, inspect, json, math, os, re, signal, sys, time, zlib
 from contextlib import nullcontext
