@@ -121,8 +121,9 @@ def resolve(given, saved=None):
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:  # unset, an old option changes nothing
-            raise UserError(f"the checkpoint was trained with options this train.py lacks ({', '.join(unknown)})")
+        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:  # one left unset changes nothing
+            raise UserError(f"the checkpoint was trained with options this train.py lacks ({', '.join(unknown)}): "
+                            "resume it with the train.py that wrote it, or start a new run with another --out_dir")
         return check(SimpleNamespace(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
     lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check refuses it

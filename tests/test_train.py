@@ -572,6 +572,15 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, cap
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
+def test_a_checkpoint_with_an_option_this_train_py_lacks(train_data):
+    """An option a checkpoint's train.py had and this one lacks: set, it shaped the run, so the resume is one
+    error line naming it; left unset (false, 0 or empty), it changed nothing and the resume goes on."""
+    saved = dict(vars(train.resolve({"data_dir": str(train_data)})), retired_option="")
+    assert train.resolve({"resume": True}, saved).resume
+    with pytest.raises(UserError, match="options this train.py lacks \\(retired_option\\).*another --out_dir"):
+        train.resolve({"resume": True}, dict(saved, retired_option=4))
+
+
 def readme_torchrun_options():
     """The options before train.py in every torchrun line of the README's bash blocks."""
     text = Path(HERE, "README.md").read_text()
