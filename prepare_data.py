@@ -341,8 +341,10 @@ def file_documents(files):
     for path in files:
         if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock file each
             yield Path(path).read_text(encoding="utf-8", errors="replace")
+        elif path.endswith(".parquet"):
+            yield from _parquet_texts(path)
         else:
-            yield from (_parquet_texts if path.endswith(".parquet") else _jsonl_texts)(path)
+            yield from _jsonl_texts(path)
 
 def _hub_documents(split):
     hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
