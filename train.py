@@ -44,9 +44,11 @@ DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU, its LEV with h * r = D mode
     eval_interval=200, eval_tokens=1 << 16, log_interval=10, ckpt_interval=200, eval_only=False, resume=False,
     stop_step=0,
     # device: auto (cuda if there is a GPU) | cpu | cuda; compile, and bf16 autocast (LEV and the softmax stay
-    # float32): None, on for CUDA only; bf16_allreduce: DDP's gradients in bf16, half the traffic (NCCL only);
+    # float32): None, on for CUDA only; bf16_allreduce: DDP's gradients in bf16, half the traffic (CUDA only);
+    # backend: DDP's, auto (nccl on CUDA, gloo on CPU) | nccl | gloo (on CUDA: ranks sharing a GPU, no NCCL);
     # deterministic: bit-identical reruns and resumes (CUDA: slower); wandb_project: log to Weights & Biases there
-    device="auto", compile=None, bf16=None, bf16_allreduce=False, deterministic=False, wandb_project="")
+    device="auto", compile=None, bf16=None, bf16_allreduce=False, backend="auto", deterministic=False,
+    wandb_project="")
 KINDS = {"lr_input": float, "lr_head": float, "compile": bool, "bf16": bool}  # the options whose default is None
 # The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative GPT-3/Pythia
 # rates (it publishes none; LEV's product spikes at too high a rate). Heads of 128 dims and the depth that brings
@@ -71,8 +73,8 @@ DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192), "data/pile
 MODEL_FIELDS = [f.name for f in fields(Config) if f.name not in ("vocab_size", "embedding")]
 # On --resume these may change freely; every other option changes the loss curve and must match.
 RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval", "ckpt_interval",
-               "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "deterministic",
-               "wandb_project"}
+               "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "backend",
+               "deterministic", "wandb_project"}
 
 def parse_args(argv):
     """--name=value options -> {name: value} for the options given (--resume must know which)."""
@@ -90,7 +92,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
-    v, choices = vars(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"))
+    v, choices = vars(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"),
+                                backend=("auto", "nccl", "gloo"))
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
     for bad, message in [
@@ -195,19 +198,21 @@ def setup_device(config):
     kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
-    if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP takes it with NCCL only
-        raise UserError("--bf16_allreduce needs NCCL, which runs on CUDA GPUs only; leave it off here")
+    if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP takes it in CUDA builds only
+        raise UserError("--bf16_allreduce needs CUDA GPUs (torch's bf16 hook); leave it off here")
+    backend = config.backend if config.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
     if config.deterministic:  # cuBLAS repeats its reductions only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    device = torch.device(kind, local if kind == "cuda" else None)
+    # Ranks past the GPU count share GPUs: gloo allows it (the acceptance run puts 2 on one), NCCL refuses it
+    device = torch.device(kind, local % torch.cuda.device_count() if kind == "cuda" else None)
     if kind == "cuda":  # TF32 stays off: under autocast the only float32 matmuls left are LEV's, float32 on purpose
         torch.cuda.set_device(device)
     else:
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
     if world > 1 and not dist.is_initialized():  # 60 minutes: a slow filesystem may hold rank 0 long at a save
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60),
-                                device_id=device if kind == "cuda" else None)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60),
+                                device_id=device if backend == "nccl" else None)
     return device, rank, world
 
 def open_data(data_dir):
@@ -476,30 +481,37 @@ def to_batch(windows, device, lev):
         parts = [piece.view(part.shape) for piece, part in zip(flat.split([part.numel() for part in parts]), parts)]
     return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
 
-def train_step(run):
-    """One optimizer step. Rank r's micro-step m takes slice r * accum + m of the step's windows: any world size
-    trains on the same batch."""
-    micro_batch, step_windows = run.config.micro_batch, run.config.batch_tokens // run.config.seq_len
-    for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
-        group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
-    # Every rank reads (and checks) the whole step's windows, so that a damaged one stops all ranks
-    # alike, with one error line, instead of one rank amid a collective.
-    windows = [run.train[p] for p in range(run.step * step_windows, (run.step + 1) * step_windows)]
-    loss_sum = torch.zeros((), device=run.device)
+def accumulate_gradients(run, windows):
+    """Forward and backward over this rank's micro-batches of the step's windows: rank r's micro-step m takes
+    slice r * accum + m, so any world size trains on the same batch. Returns the summed micro-batch losses."""
+    micro_batch, loss_sum = run.config.micro_batch, torch.zeros((), device=run.device)
     for micro in range(run.accum):
         first = (run.rank * run.accum + micro) * micro_batch
         x, y, distinct = to_batch(windows[first:first + micro_batch], run.device, run.lev)
         last = micro == run.accum - 1  # all-reduce the gradients once, after the last micro-step
         with run.autocast, (run.model.no_sync() if run.world > 1 and not last else nullcontext()):
             loss = run.model(x, y, distinct=distinct)
-        (loss / run.accum).backward()
+        (loss / run.accum).backward()  # the gradient of the mean over the step's micro-batches
         loss_sum += loss.detach()
+    return loss_sum
+
+def train_step(run):
+    """One optimizer step; stop: the signal that reached some rank (the same on every rank), or None."""
+    step_windows = run.config.batch_tokens // run.config.seq_len
+    for group in run.optimizer.param_groups:  # each group's lr_scale: see Model.configure_optimizers
+        group["lr"] = lr_at(run.step, run.config, run.max_steps) * group["lr_scale"]
+    # Every rank reads (and checks) the whole step's windows, so that a damaged one stops all ranks
+    # alike, with one error line, instead of one rank amid a collective.
+    windows = [run.train[p] for p in range(run.step * step_windows, (run.step + 1) * step_windows)]
+    loss_sum = accumulate_gradients(run, windows)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.config.grad_clip)
-    # One all_reduce for the mean loss and "did any rank get a signal", so all ranks stop together.
-    shared = torch.stack([loss_sum / run.accum, torch.tensor(float(STOP["signal"] is not None), device=run.device)])
+    # The mean loss, and the stop signal of any rank (the highest number if several): all ranks stop together
+    # and exit alike, however many of them the signal reached.
+    loss, stop = loss_sum / run.accum, torch.tensor(STOP["signal"] or 0, device=run.device)
     if run.world > 1:
-        dist.all_reduce(shared)
-    loss, stop, grad_norm = shared[0].item() / run.world, shared[1].item() > 0, grad_norm.item()
+        dist.all_reduce(loss)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    loss, grad_norm, stop = loss.item() / run.world, grad_norm.item(), int(stop.item()) or None
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: stopped without updating; "
                         "the last good checkpoint is kept (try a lower --lr)")
@@ -638,7 +650,7 @@ def main(argv):
             seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
             while run.step < run.max_steps:
                 start = time.time()
-                loss, grad_norm, preempted = train_step(run)  # preempted: a signal reached some rank
+                loss, grad_norm, preempted = train_step(run)  # preempted: the signal that reached some rank
                 run.step, seconds, steps_timed = run.step + 1, seconds + time.time() - start, steps_timed + 1
                 last, stop = run.step == run.max_steps, preempted or run.step == config.stop_step
                 if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
@@ -649,11 +661,11 @@ def main(argv):
                 if run.step % config.ckpt_interval == 0 or last or stop:
                     checkpoint(run)
                 if stop:
-                    why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
+                    why = signal.Signals(preempted).name if preempted else f"--stop_step={config.stop_step}"
                     if run.rank == 0:
                         show(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
                              "command plus --resume")
-                    code = 128 + STOP["signal"] if STOP["signal"] else 0
+                    code = 128 + preempted if preempted else 0  # every rank alike: torchrun sees one status
                     break
             else:
                 if run.rank == 0:

@@ -154,6 +154,39 @@ def test_ddp_splits_the_compiled_graph_and_accumulates_in_its_buckets(train_data
         assert not report["buffer_sync"], report
 
 
+def worker_pid(launcher_pid, rank):
+    """The pid of torchrun's worker of this rank (from /proc), or None while it has not started."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_a_signal_on_one_rank_stops_every_rank_alike(train_data, tmp_path):
+    """SIGTERM that reaches rank 1 only (a node's own preemption): both ranks save at the same step and exit
+    128 + SIGTERM, so torchrun reports one cause, and rank 0, which prints, names the signal."""
+    if not os.path.exists("/proc/self/environ"):
+        pytest.skip("needs /proc to find torchrun's workers")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *RUN],
+                            cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not ((out / "log.jsonl").exists() and (out / "log.jsonl").read_text()) and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(worker_pid(proc.pid, 1), signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    statuses = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*exitcode\s*:\s*(-?\d+)", output))
+    assert statuses == {"0": "143", "1": "143"}, output
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert f"stopped at step {step} (SIGTERM)" in output and max(logged_losses(out)) == step, output
+
+
 def test_compiled_bf16_training_on_cpu_and_eager_resume(train_data, tmp_path, reference_run):
     """The CUDA code path (inductor-compiled model and LEV generator, bf16 autocast, the chunked
     loss under autocast) run on the CPU; its checkpoint then resumes in eager float32."""
@@ -432,7 +465,7 @@ BAD_TRAIN_OPTIONS = {
     "min_lr_frac": "2", "weight_decay": "-1", "beta1": "1", "beta2": "2", "grad_clip": "0", "seed": "-1",
     "eval_interval": "0", "eval_tokens": "0", "log_interval": "0", "ckpt_interval": "0", "eval_only": "maybe",
     "resume": "maybe", "stop_step": "-1", "device": "tpu", "compile": "maybe", "bf16": "maybe",
-    "bf16_allreduce": "maybe", "deterministic": "maybe", "wandb_project": "x",
+    "bf16_allreduce": "maybe", "backend": "mpi", "deterministic": "maybe", "wandb_project": "x",
 }
 
 
@@ -463,7 +496,7 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
                           (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
                           (["--embedding=tied", "--lr_head=10"], ["--lr_head", "--lr_input"]),
                           (["--lr_input=0"], ["--lr_input", "> 0"]),
-                          (["--bf16_allreduce"], ["--bf16_allreduce", "NCCL"]),  # torch's bf16 hook: CUDA only
+                          (["--bf16_allreduce"], ["--bf16_allreduce", "CUDA"]),  # torch's bf16 hook: CUDA only
                           (["--eval_only"], ["no checkpoint", "without --eval_only"]),
                           (["--resume"], ["no checkpoint", "without --resume"])]:
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
