@@ -696,5 +696,8 @@ def kernels_for(t, spline):
     return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
 
 def compile_lev(lev, **options):
-    """LEV.generate compiled for any number of ids; its product stays out of the graph, its kernels Fused."""
+    """LEV.generate compiled for any number of ids; its product stays out of the graph, its kernels Fused.
+    Split reductions off, as in Fused: a resumed run's first call (other ids) must not change how it sums."""
+    if options.get("backend", "inductor") == "inductor":
+        options.setdefault("options", {"split_reductions": False})
     lev.generate = torch.compile(lev.generate, dynamic=True, **options)

@@ -6,6 +6,7 @@ a session of its own, so that a signal sent to it reaches torchrun's workers too
 at a deadline, on Ctrl-C or on a SIGTERM to its caller gets SIGTERM unless the caller says otherwise: train.py then saves a
 checkpoint and exits, and `--resume` continues it.
 """
+import contextlib
 import os
 import shlex
 import signal
@@ -46,25 +47,39 @@ def command(options, processes=1):
     return [sys.executable, *launcher, TRAIN, *options]
 
 
-def start(options, processes=1, output=None):
-    """Start train.py (command()) in a session of its own; its output appended to the file `output`,
-    or to this terminal when None."""
+def start(options, processes=1, output=None, env=None):
+    """Start train.py (command()) in a session of its own, with env's variables over this process's; its
+    output appended to the file `output`, or to this terminal when None."""
+    env = {**os.environ, **(env or {})}
     if output is None:
-        return subprocess.Popen(command(options, processes), start_new_session=True)
+        return subprocess.Popen(command(options, processes), start_new_session=True, env=env)
     os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     with open(output, "a") as f:  # the child has its own copy of the file
         return subprocess.Popen(command(options, processes), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
+
+
+def descendants(pid):
+    """The processes pid started, and theirs (Linux's /proc; [] elsewhere): torchrun starts each worker in
+    a session of its own, which a signal to torchrun's session does not reach."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        children = [int(c) for task in tasks for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    except OSError:  # no /proc, or pid has ended
+        return []
+    return children + [grandchild for child in children for grandchild in descendants(child)]
 
 
 def stop(process, stop_signal=signal.SIGTERM):
-    """Send stop_signal to a run's whole session, if it is still going, and wait for it to end.
-    SIGTERM lets train.py save a checkpoint; SIGKILL ends a run that hangs (in a collective)."""
+    """Send stop_signal to a run's whole session and its workers', if it is still going, and wait for it to
+    end. SIGTERM lets train.py save a checkpoint; SIGKILL ends a run that hangs (in a collective)."""
     if process.poll() is None:
-        try:
+        workers = descendants(process.pid)  # before torchrun ends: its workers would be orphans then
+        with contextlib.suppress(ProcessLookupError):  # it ended in between
             os.killpg(process.pid, stop_signal)
-        except ProcessLookupError:  # it ended in between
-            pass
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, stop_signal)
     process.wait()
 
 

@@ -24,7 +24,7 @@ import prepare_data as prep
 import train
 from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, random_model,
                       train_cli)
-from experiments import bench, compare, evaluate, runs, study
+from experiments import acceptance, bench, compare, evaluate, runs, study
 from experiments.evaluate import LeviathanLM, scoring_windows
 from prepare_data import UserError, run_main, tokenizer_from_meta
 from sample import load_model
@@ -610,42 +610,57 @@ def test_peak_flops_match_whole_words_of_the_device_name():
     assert bench.peak_flops("Tesla V100-SXM2-16GB") is None
 
 
-def test_bench_mfu_is_the_models_flops_over_the_gpus_peak(tmp_path):
+def test_acceptance_mfu_is_the_models_flops_over_the_gpus_peak(tmp_path):
     """speed(): the steps after the first two, their median tokens/s x Model.flops_per_token over the peak."""
     cfg = leviathan.Config(vocab_size=512, d_model=64, n_layer=2, n_head=2, seq_len=32, lev_heads=2, lev_rank=32)
     (tmp_path / "config.json").write_text(json.dumps({"model": dataclasses.asdict(cfg)}))
     records = [dict(step=s, tokens_seen=1024 * s, tokens_per_s=tps) for s, tps in enumerate([1, 2, 3e6, 5e6, 4e6], 1)]
-    on_h100 = bench.speed(records, 2, tmp_path, "NVIDIA H100 80GB HBM3")
+    on_h100 = acceptance.speed(records, 2, tmp_path, "NVIDIA H100 80GB HBM3")
     assert on_h100["tokens_per_s"] == 4e6 and on_h100["steps"] == 3 and on_h100["micro_step_s"] == 1024 / 4e6 / 2
     assert on_h100["mfu"] == pytest.approx(leviathan.Model(cfg).flops_per_token() * 4e6 / 989e12)
-    assert bench.speed(records, 2, tmp_path, "cpu")["mfu"] is None and bench.speed(records[:2], 2, tmp_path, "cpu") is None
+    assert acceptance.speed(records, 2, tmp_path, "cpu")["mfu"] is None
+    assert acceptance.speed(records[:2], 2, tmp_path, "cpu") is None
 
 
-def test_bench_gpu_verdict_passes_and_fails_each_check():
-    """`bench.py gpu`'s verdict is a function of its figures alone: every figure at its threshold
-    passes; one above it, or not measured (None), fails that check alone, in one line; a crashed run
-    fails as a run."""
-    runs = {name: {"exit": 0, "error": None} for name in ("200m-whole", "200m-stopped", "200m-resumed", "200m-ddp", "1.2b")}
-    checks = {check: bench.threshold(check) for check in ("resume", "ddp", "eager", "memory 200m", "memory 200m ddp",
-                                                          "memory 1.2b", "lev_share", "lev_reference", "loss_reference",
-                                                          "first_loss", "loss_falls", "mfu 1.2b",
-                                                          "graph_breaks 1.2b", "recompiles 1.2b")}
-    assert bench.gpu_failures({"runs": runs, "checks": checks}) == []
-    over = {"resume": (5e-7, "5e-07 vs 0"), "ddp": (1.5e-3, "0.0015 vs 0.001"), "eager": (1, "1 vs 0"),
-            "memory 200m": (9.0, "9.0 GB vs 8.8 GB"), "memory 200m ddp": (9.0, "9.0 GB vs 8.8 GB"),
-            "memory 1.2b": (41.0, "41.0 GB vs 40.7 GB"), "lev_share": (0.051, "5.1% vs 5.0%"),
-            "lev_reference": (2e-4, "0.0002 vs 0.0001"), "loss_reference": (0.03, "0.03 vs 0.02"),
-            "first_loss": (0.01, "0.01 vs 0.001"), "loss_falls": (0.95, "0.95 vs 0.9"),
-            "mfu 1.2b": (0.19, "19.0% vs 20.0%"),  # a floor: below it fails
-            "graph_breaks 1.2b": (11, "11 vs 10"), "recompiles 1.2b": (3, "3 vs 2")}
-    for check, (figure, text) in over.items():
-        assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: figure}}) == [f"FAIL {check}: {text}"]
-        assert bench.gpu_failures({"runs": runs, "checks": {**checks, check: None}}) == [
-            f"FAIL {check}: not measured vs {text.split(' vs ')[1]}"]
-    crashed = {**runs, "1.2b": {"exit": 1, "error": "error: CUDA out of memory"}}
-    assert bench.gpu_failures({"runs": crashed, "checks": {**checks, "memory 1.2b": None, "lev_share": None}}) == [
-        "FAIL run 1.2b: exit status 1 (error: CUDA out of memory) vs 0", "FAIL memory 1.2b: not measured vs 40.7 GB",
-        "FAIL lev_share: not measured vs 5.0%"]
+def test_acceptance_verdict_is_pass_fail_or_incomplete_from_the_figures_alone():
+    """Every figure at its limit passes; one beyond it fails that check alone (FAIL, whatever else is
+    missing); one not measured makes the verdict INCOMPLETE. A run that ends otherwise than expected fails,
+    one stopped by the budget or a signal is incomplete, one stopped here once measured passes."""
+    runs_ = {"200m-whole": dict(expected=0, exit=0), "200m-stopped": dict(expected=143, exit=143),
+             "1.2b": dict(expected=0, exit=-9, stopped="by this run, once it had logged 8 steps")}
+    limits = {**acceptance.LIMITS, "eval": 12.2}
+    at_limit = {"runs": runs_, "checks": dict(limits), "limits": limits}
+    assert acceptance.verdict(acceptance.check_lines(at_limit)) == "PASS"
+    beyond = {"lev_reference": 2e-4, "loss_reference": 0.03, "grad_reference": 0.03, "first_loss": 0.01,
+              "loss_falls": 0.95, "eval": float("nan"), "resume_cold_cache": 5e-7, "signal_stop": 1,
+              "ddp_one_gpu": 0.02, "ddp": 2e-3, "eager": 1, "memory": 1.01, "sdpa_kernel": 1,
+              "mfu 1.2b": 0.19, "graph_breaks 1.2b": 11, "recompiles 1.2b": 3, "lev_share": 0.051}
+    assert set(beyond) == set(acceptance.LIMITS)
+    for check, figure in beyond.items():
+        lines = acceptance.check_lines({**at_limit, "checks": {**limits, check: figure}})
+        assert [line for state, line in lines if state != "ok"] == [
+            f"{check}: {acceptance.shown(check, figure)} vs {acceptance.shown(check, limits[check])}"]
+        assert acceptance.verdict(lines) == "FAIL"
+        missing = acceptance.check_lines({**at_limit, "checks": {**limits, check: None}})
+        assert [state for state, _ in missing if state != "ok"] == ["INCOMPLETE"] and acceptance.verdict(missing) \
+            == "INCOMPLETE"
+        both = {**limits, check: figure, next(c for c in limits if c != check): None}
+        assert acceptance.verdict(acceptance.check_lines({**at_limit, "checks": both})) == "FAIL"
+    for run, state in [(dict(expected=143, exit=0), "FAIL"), (dict(expected=0, exit=1), "FAIL"),
+                       (dict(expected=0, exit=-9, stopped="cut short: stopped by the time budget after 460 s"),
+                        "INCOMPLETE"),
+                       (dict(expected=0, exit=-9, stopped="cut short: stopped by SIGTERM after 100 s"), "INCOMPLETE")]:
+        assert acceptance.run_line("x", run)[0] == state, run
+
+
+def test_acceptance_signal_stop_counts_the_steps_lost():
+    stopped = "step 3/1000 | loss 5\nSIGTERM: saving a checkpoint\nstep 4/1000 | loss 4\ncheckpoint: step 4\n" \
+              "stopped at step 4 (SIGTERM); checkpoint saved\n"
+    assert acceptance.saved_step(stopped) == 4
+    assert acceptance.steps_lost(stopped, 4, "step 5/1000 | loss 3\n") == 0
+    assert acceptance.steps_lost(stopped, 3, "step 4/1000 | loss 3\n") == 1  # saved a step before the last
+    assert acceptance.steps_lost(stopped, 4, "step 4/1000 | loss 3\n") == 1  # the resume repeats a step
+    assert acceptance.steps_lost(stopped, 4, "") is None and acceptance.saved_step("step 3/1000\n") is None
 
 
 def test_bench_gpu_names_what_a_failed_run_said():
@@ -666,79 +681,108 @@ def test_bench_gpu_memory_estimates_match_the_readme():
     assert {size: (int(one), int(ddp)) for size, one, ddp in rows} == bench.MEMORY_ESTIMATE_GB
 
 
-def bench_gpu_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir):
-    """`bench.py gpu --toy` (the whole acceptance test on a CPU, a micro model in place of 200m and 1.2b)
-    in this process, its train.py runs in their own, where datasets, zstandard and pyarrow cannot be
+def acceptance_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir, blocked_modules=()):
+    """`bench.py gpu --toy` (every check on a CPU, a micro model in place of 200m and 1.2b) in this process,
+    its train.py runs in their own, where datasets, zstandard and pyarrow (and blocked_modules) cannot be
     imported (a cluster may lack them): (exit status, output lines, the figures from --json)."""
     blocked = tmp_path / "blocked"
-    for name in ("datasets", "zstandard", "pyarrow"):
-        (blocked / name).mkdir(parents=True)
+    for name in ("datasets", "zstandard", "pyarrow", *blocked_modules):
+        (blocked / name).mkdir(parents=True, exist_ok=True)
         (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
     monkeypatch.chdir(HERE)
     for name, value in {**SCRIPT_ENV, "PYTHONPATH": f"{blocked}{os.pathsep}{HERE}"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(leviathan.Fused, "warned", set())  # an earlier test's warning is not this run's
     try:
-        bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
-                     f"--json={tmp_path / 'figures.json'}"])
-        code = 0
-    except SystemExit as e:  # a failed check
-        code = e.code
+        code = bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
+                            f"--json={tmp_path / 'figures.json'}"])
+    finally:
+        torch._dynamo.reset()  # a budget may have cut a compile short
     return code, capsys.readouterr().out.strip().splitlines(), json.loads((tmp_path / "figures.json").read_text())
 
 
-def test_bench_gpu_runs_whole_on_a_cpu_toy(train_data, tmp_path, monkeypatch, capsys):
-    """Every run ends well, the resumed run repeats the uninterrupted one's losses bit for bit, every
-    figure reaches --json, the FAIL lines printed are gpu_failures' of them, the exit status and the
-    last line agree with them, and the run folder is gone."""
-    code, lines, figures = bench_gpu_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+ACCEPTANCE_CHECKS = {"lev_reference", "loss_reference", "grad_reference", "first_loss", "loss_falls", "eval",
+                     "resume_cold_cache", "signal_stop", "ddp_one_gpu", "eager", "sdpa_kernel"}
+
+
+def test_acceptance_toy_passes_every_check_on_a_cpu(train_data, tmp_path, monkeypatch, capsys):
+    """Every check a CPU can make is measured and printed with its figure, every run ends as expected (the
+    signalled one with 128 + SIGTERM), the verdict is PASS with exit status 0, the run folder is gone."""
+    code, lines, figures = acceptance_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+    assert set(figures["checks"]) == ACCEPTANCE_CHECKS and None not in figures["checks"].values(), figures["checks"]
     assert {name: run["exit"] for name, run in figures["runs"].items()} == {
-        "200m-whole": 0, "200m-stopped": 0, "200m-resumed": 0, "1.2b": 0}, lines
-    assert figures["checks"]["resume"] == 0.0 and figures["checks"]["eager"] == 0
-    checks = figures["checks"]  # the references, and the 200m-like run's first and last losses
-    assert checks["lev_reference"] < 1e-5 and 0 < checks["loss_reference"] < 2e-2, checks
-    assert checks["first_loss"] < 1e-4 and checks["loss_falls"] < 0.9, checks
-    assert set(figures["skipped"]) == {"ddp", "memory", "mfu 1.2b", "compiler"}
-    assert set(figures["seconds"]) == {"data", "references", "train.py runs", "LEV alone"}  # where the time went
-    assert sum(figures["seconds"].values()) <= figures["wall_s"] + 1  # each rounded to 0.1 s
-    assert all(run["checkpoint_gb"] is not None for run in figures["runs"].values())  # their lines were read
-    assert figures["speed"]["1.2b"]["tokens_per_s"] > 0 and figures["lev"]["distinct_ids"] > 1
-    failures = bench.gpu_failures(figures)
-    assert failures == figures["failures"] and [line for line in lines if line.startswith("FAIL ")] == failures
-    assert lines[-1].startswith("FAIL: " if failures else "PASS: ") and code == (1 if failures else 0)
+        "1.2b": 0, "200m-whole": 0, "200m-stopped": 128 + signal.SIGTERM, "200m-ddp-one-gpu": 0,
+        "200m-resumed": 0}, lines
+    checks = figures["checks"]
+    assert checks["resume_cold_cache"] == 0.0 and checks["signal_stop"] == 0 and checks["lev_reference"] < 1e-5
+    assert 0 < checks["grad_reference"] < 2e-2 and abs(figures["grad_norm_ratio"] - 1) < 2e-2
+    for check, figure in checks.items():
+        assert any(line.startswith("ok ") and line.split()[1] == f"{check}:" for line in lines), (check, lines)
+    assert set(figures["skipped"]) == {"ddp", "memory", "mfu 1.2b", "graph_breaks 1.2b", "recompiles 1.2b",
+                                       "lev_share"}
+    assert set(figures["seconds"]) == {"data", "references", "1.2b run", "200m runs", "LEV alone"}
+    assert figures["disk"]["gb_per_s"] > 0 and figures["lev"]["distinct_ids"] > 1
+    assert (code, lines[-1]) == (0, f"PASS: all {len(figures['lines'])} checks")
     assert not (tmp_path / "runs").exists()
 
 
-def test_bench_gpu_refuses_a_full_folder_and_fails_cleanly_when_runs_crash(train_data, tmp_path, monkeypatch, capsys):
-    """A run folder that is not empty is refused before anything runs. When train.py crashes (here:
-    data without shards), every figure still reaches --json, the run folder is deleted, each failed
-    check is one FAIL line (a run's with train.py's error line), FAIL comes last, exit status 1."""
-    broken, full = tmp_path / "broken", tmp_path / "full"
-    broken.mkdir()
-    shutil.copy(train_data / "meta.json", broken / "meta.json")
+def test_acceptance_fails_a_wrong_figure_and_keeps_a_crashed_runs_last_lines(train_data, tmp_path, monkeypatch,
+                                                                            capsys):
+    """A run folder that is not empty is refused before anything runs. LEV's fast path off by 1e-3 fails
+    lev_reference (FAIL, status 1) whatever else goes wrong; runs that crash (numpy missing there) fail and
+    keep their last 40 lines; data without shards crash this process too: a FAIL line of its own."""
+    full = tmp_path / "full"
     full.mkdir()
     (full / "mine.txt").write_text("kept")
     with pytest.raises(UserError, match="not an empty folder"):
-        bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={broken}", f"--out_dir={full}"])
+        bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={train_data}", f"--out_dir={full}"])
     assert (full / "mine.txt").exists()
-    code, lines, figures = bench_gpu_toy(broken, tmp_path, monkeypatch, capsys, tmp_path / "runs")
-    assert code == 1 and [line for line in lines if line.startswith("FAIL ")] == figures["failures"]
-    assert lines[-1].startswith("FAIL: ") and "FAIL resume: not measured vs 0" in figures["failures"]
-    assert any(line.startswith("FAIL run 1.2b: exit status 1 (error: ") and "no train shards" in line
-               for line in figures["failures"])
+    generate = leviathan.LEV.generate
+    monkeypatch.setattr(leviathan.LEV, "generate", lambda self, ids: generate(self, ids) * (1 + 1e-3))
+    code, lines, figures = acceptance_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs", ["numpy"])
+    assert code == 1 and lines[-1].startswith("FAIL: ") and figures["checks"]["lev_reference"] > 1e-4
+    assert [line.split(":")[0] for line in lines if line.startswith("FAIL ")] == [
+        "FAIL       run 1.2b", "FAIL       run 200m-whole", "FAIL       run 200m-stopped",
+        "FAIL       run 200m-ddp-one-gpu", "FAIL       lev_reference"], lines
+    for run in figures["runs"].values():
+        assert len(run["tail"]) <= 40 and "numpy is not installed here" in "\n".join(run["tail"]), run
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(train_data / "meta.json", broken / "meta.json")
+    code, lines, figures = acceptance_toy(broken, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+    assert code == 1 and figures["ended"].startswith("crashed: UserError") and "no train shards" in figures["ended"]
+    assert any(line.startswith("FAIL ") and "this process crashed" in line for line in lines), lines
     assert not (tmp_path / "runs").exists()
 
 
-def test_bench_gpu_stops_the_runs_at_its_time_budget(train_data, tmp_path, monkeypatch, capsys):
-    """The acceptance test ends in bounded time whatever its runs cost: a train.py run still going
-    RUNS_END_S after the start is killed (here the budget is spent before the first run starts),
-    the checks it was to measure fail as not measured, and LEV alone still runs after it."""
-    monkeypatch.setattr(bench, "RUNS_END_S", 0)
-    code, lines, figures = bench_gpu_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
-    assert code == 1 and {run["error"] for run in figures["runs"].values()} == {
-        "stopped at the test's time budget (0 min after its start)"}, figures["runs"]
-    assert "FAIL resume: not measured vs 0" in figures["failures"] and figures["lev"]["distinct_ids"] > 1
-    assert figures["checks"]["lev_reference"] < 1e-5  # the parts before the runs are not cut short
+def test_acceptance_cut_by_its_budget_is_incomplete_and_keeps_its_figures(train_data, tmp_path, monkeypatch,
+                                                                           capsys):
+    """The budget spent a few seconds in, during the 1.2b run: every run is stopped, the references'
+    figures are kept, what was not measured is INCOMPLETE (status 2), never FAIL."""
+    monkeypatch.setattr(acceptance, "BUDGET_S", acceptance.CLOSING_S + 5)
+    code, lines, figures = acceptance_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
+    assert (code, lines[-1].split(":")[0]) == (2, "INCOMPLETE"), lines
+    assert figures["checks"]["lev_reference"] < 1e-5 and figures["checks"]["loss_reference"] < 2e-2
+    assert figures["runs"]["1.2b"]["stopped"].startswith("cut short: stopped by the time budget")
+    assert not any(line.startswith("FAIL") for line in lines) and not (tmp_path / "runs").exists()
+
+
+def test_acceptance_stopped_by_sigterm_gives_its_verdict_with_what_the_runs_logged(train_data, tmp_path):
+    """SIGTERM to the bench once the 200m runs have logged steps: the runs are stopped, the first loss
+    they logged is kept (first_loss measured), the JSON and the verdict so far (INCOMPLETE, status 2) come."""
+    out_dir = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.bench", "gpu", "--toy", "--device=cpu",
+                             f"--data_dir={train_data}", f"--out_dir={out_dir}", f"--json={tmp_path / 'f.json'}"],
+                            cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log, deadline = out_dir / "200m-whole" / "log.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert proc.returncode == 2 and output.strip().splitlines()[-1].startswith("INCOMPLETE: "), output
+    assert figures["ended"].startswith("stopped by SIGTERM") and figures["checks"]["first_loss"] < 1e-4, figures
+    assert not out_dir.exists()
 
 
 # ---------------------------------------------------------------------------- study.py: LEV's variants (lev_variants.py)
