@@ -165,12 +165,18 @@ def on_signal(signum, frame):
         pass
 
 def show(text):
-    """print; a reader gone away (`train.py | head`) stops the run as a signal does, and the rest goes nowhere."""
+    """print. A reader gone away (`train.py | head`) stops the run as a signal does; another failed write
+    does not (a closed terminal, EIO: its SIGHUP stops the run, unless ignored as under nohup). The rest
+    goes nowhere, and so does stderr if it shares the terminal or pipe."""
     try:
         print(text, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        STOP["signal"] = STOP["signal"] or signal.SIGPIPE
+    except OSError as e:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        if os.path.sameopenfile(sys.stdout.fileno(), sys.stderr.fileno()):  # not isatty(): false once hung up
+            os.dup2(nowhere, sys.stderr.fileno())
+        os.dup2(nowhere, sys.stdout.fileno())
+        if isinstance(e, BrokenPipeError):
+            STOP["signal"] = STOP["signal"] or signal.SIGPIPE
 
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 def launch_env():

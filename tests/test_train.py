@@ -1,6 +1,7 @@
 """train.py: the sizes, training, resuming, DDP, checkpoints, evaluation, bad input."""
 import dataclasses
 import errno
+import fcntl
 import importlib.util
 import json
 import math
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -310,6 +312,27 @@ def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, re
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum, stdout + stderr
     assert signal.Signals(signum).name in stdout and "Traceback" not in stderr
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 1 <= step < STEPS and max(logged_losses(out)) == step
+    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert logged_losses(out) == reference_run
+
+
+def test_closing_the_terminal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run):
+    """The terminal closed: the kernel sends SIGHUP to the run (here the leader of the terminal's session),
+    whose writes to it fail from then on (EIO); it stops as at any preemption, saved, status 128 + SIGHUP."""
+    out, (master, terminal) = tmp_path / "run", os.openpty()
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdin=terminal, stdout=terminal,
+                            stderr=terminal, start_new_session=True,  # its own session, the pty its terminal
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal)  # left unread: the run's output (~3 KB) fits the terminal's buffer
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.close(master)
+    assert proc.wait(timeout=60) == 128 + signal.SIGHUP
     step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
     assert 1 <= step < STEPS and max(logged_losses(out)) == step
     train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
