@@ -26,8 +26,10 @@ def _interrupted(signum, frame):
     raise SystemExit(130)
 
 def quiet_interrupt():
-    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130."""
-    signal.signal(signal.SIGINT, _interrupted)
+    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130.
+    A SIGINT ignored from the start (a shell script's background job) stays ignored, as Python leaves it."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _interrupted)
 
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C

@@ -639,8 +639,9 @@ def main(argv):
         elif run.step >= run.max_steps:
             show(f"the run is complete ({run.step} steps); nothing to do")
         else:
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, on_signal)
+            for signum in STOP_SIGNALS:  # one ignored from the start stays so (nohup's SIGHUP)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    signal.signal(signum, on_signal)
             seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
             while run.step < run.max_steps:
                 start = time.time()

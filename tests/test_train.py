@@ -339,6 +339,28 @@ def test_closing_the_terminal_saves_a_resumable_checkpoint(train_data, tmp_path,
     assert logged_losses(out) == reference_run
 
 
+def test_signals_ignored_at_start_stay_ignored(train_data, tmp_path):
+    """`nohup train.py &` ignores SIGHUP, and a shell script's background job SIGINT: the run leaves them
+    ignored, so that logging out (or a Ctrl-C meant for the script) does not stop it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *RUN]
+    def as_nohup_and_a_background_job():  # in the child, before train.py starts
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proc = subprocess.Popen(cmd, cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=as_nohup_and_a_background_job)
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    logged_then = len(logged_losses(out))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout + stderr
+    assert logged_then < STEPS and len(logged_losses(out)) == STEPS
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_path):
     out = tmp_path / "run"
     r = train_cli(train_data, out, "--total_tokens=5120", "--lr=1e30", "--warmup_steps=1", "--ckpt_interval=1", "--embedding=untied",
