@@ -191,9 +191,10 @@ def launch_env():
     if not (0 <= rank < world and 0 <= local < world) or (world > 1 and {"MASTER_ADDR", "MASTER_PORT"} - set(given)):
         raise UserError(" ".join(f"{k}={v}" for k, v in given.items()) + " without torchrun's full set (RANK < "
                         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): unset them, or launch with torchrun (README)")
-    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in given:
-        raise UserError("one of several SLURM tasks without torchrun: each would train alone into the same "
-                        "out_dir; launch with `srun torchrun ... train.py` (README)")
+    # srun sets SLURM_STEP_NUM_TASKS in each task it starts; a batch script (one process) has SLURM_NTASKS
+    if (tasks := int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))) > 1 and "RANK" not in given:
+        raise UserError(f"one of {tasks} tasks srun started, without torchrun: each would train alone into "
+                        "the same out_dir; launch with `srun torchrun ... train.py` (README)")
     return rank, world, local
 
 def setup_device(config):

@@ -513,9 +513,11 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
                           (["--resume"], ["no checkpoint", "without --resume"])]:
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
         assert_one_error_line(code, capsys.readouterr().err, *phrases)
-    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env={"SLURM_NTASKS": "4"})
-    assert_one_error_line(r.returncode, r.stderr, "without torchrun", "srun torchrun")
+    srun_task = {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}  # srun -n 4 train.py
+    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env=srun_task)
+    assert_one_error_line(r.returncode, r.stderr, "4 tasks", "without torchrun", "srun torchrun")
     assert not out.exists()
+    train_cli(train_data, out, "--total_tokens=512", env={"SLURM_NTASKS": "4"})  # a batch script: one process
 
 
 def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
