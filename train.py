@@ -218,7 +218,7 @@ def setup_device(config):
     return device, rank, world
 
 def open_data(data_dir):
-    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
+    """meta.json, the shards of both splits (each read as used), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = (default_data(data_dir) or [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (

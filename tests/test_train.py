@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -526,6 +527,19 @@ def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
         "error: batch_tokens=256 does not divide over world size 2 x micro_batch 8 x seq_len 32 = 512; "
         "use a multiple of it"]
+
+
+def test_a_data_folder_of_more_shards_than_open_files_allowed(train_data, tmp_path):
+    """No file stays open per shard: a folder of more shards than `ulimit -n` (here 64) trains."""
+    data = tmp_path / "data"
+    r = run_script("prepare_data.py", f"--dataset={train_data.parent / 'corpus.jsonl'}", f"--out_dir={data}",
+                   "--vocab_size=512", "--val_fraction=0.1", "--workers=1", "--shard_tokens=1000")
+    assert r.returncode == 0 and len(list(data.glob("*.bin"))) > 64, r.stderr
+    cmd = [sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS,
+           "--total_tokens=1024"]
+    r = subprocess.run(cmd, cwd=HERE, env=SCRIPT_ENV, capture_output=True, text=True,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    assert r.returncode == 0, r.stderr
 
 
 def test_shard_from_another_tokenizer(train_data, tmp_path):
