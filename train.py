@@ -652,10 +652,11 @@ def main(argv):
                 if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
                     log_step(run, loss, grad_norm, seconds, steps_timed)
                     seconds, steps_timed = 0.0, 0
-                if (run.step % config.eval_interval == 0 or last) and not preempted:  # a preemption saves first
-                    report_eval(run, evaluate(run))
+                # The save before an evaluation: a kill during it (or its first compile) then loses no step
                 if run.step % config.ckpt_interval == 0 or last or stop:
                     checkpoint(run)
+                if (run.step % config.eval_interval == 0 or last) and not preempted:  # preempted: just save
+                    report_eval(run, evaluate(run))
                 if stop:
                     why = signal.Signals(STOP["signal"]).name if STOP["signal"] else f"--stop_step={config.stop_step}"
                     if run.rank == 0:

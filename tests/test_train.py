@@ -362,6 +362,14 @@ def test_signals_ignored_at_start_stay_ignored(train_data, tmp_path):
     assert logged_then < STEPS and len(logged_losses(out)) == STEPS
 
 
+def test_a_checkpoint_due_with_an_evaluation_is_saved_before_it(train_data, tmp_path):
+    """The save first: a preemption during the evaluation (on a GPU, its first compile takes minutes)
+    loses no step."""
+    r = train_cli(train_data, tmp_path / "run", "--total_tokens=2048", "--eval_interval=2",
+                  "--ckpt_interval=2")
+    assert r.stdout.index("checkpoint: step 2,") < r.stdout.index("eval step 2:"), r.stdout
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_path):
     out = tmp_path / "run"
     r = train_cli(train_data, out, "--total_tokens=5120", "--lr=1e30", "--warmup_steps=1", "--ckpt_interval=1", "--embedding=untied",
