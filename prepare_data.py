@@ -26,8 +26,10 @@ def _interrupted(signum, frame):
     raise SystemExit(130)
 
 def quiet_interrupt():
-    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130."""
-    signal.signal(signal.SIGINT, _interrupted)
+    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130.
+    A SIGINT ignored from the start (a shell script's background job) stays ignored, as Python leaves it."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _interrupted)
 
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
@@ -131,8 +133,28 @@ def write_shard(path, tokens, vocab_size):
     # Arrays are buffers: written as they are, not first copied into a bytes object.
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
+class Shard:
+    """A shard's tokens, read from its file when indexed: shard[i], shard[a:b], np.asarray(shard) for all. Not
+    a memory map: each keeps a file open, and a folder may hold more shards than a process may open files."""
+    def __init__(self, filename, dtype, n):
+        self.filename, self.dtype, self.n = filename, dtype, n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            return self.read(range(self.n)[index], 1)[0]  # range(): negative from the end, IndexError past it
+        start, stop, step = index.indices(self.n)
+        if step != 1:
+            raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
+        return self.read(start, max(0, stop - start))  # a count of -1 would read to the end
+    def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
+        return np.asarray(self.read(0, self.n), dtype)
+    def read(self, start, count):
+        offset = HEADER_BYTES + start * self.dtype.itemsize
+        return np.fromfile(self.filename, self.dtype, count, offset=offset)
+
 def read_shard(path, vocab_size=None):
-    """One shard's tokens as a read-only np.memmap, once its header agrees with the file (and vocab_size)."""
+    """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
     path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
     if not os.path.isfile(path):
         raise UserError(f"{path}: shard not found; run prepare_data.py to create it")
@@ -149,9 +171,7 @@ def read_shard(path, vocab_size=None):
                      (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: from another tokenizer")]:
         if bad:
             raise UserError(f"{path}: {why}; {redo}")
-    if n == 0:  # mmap cannot map zero bytes
-        return np.zeros(0, token_dtype(vocab))
-    return np.memmap(path, dtype=token_dtype(vocab), mode="r", offset=HEADER_BYTES, shape=(n,))
+    return Shard(path, token_dtype(vocab), n)
 
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))

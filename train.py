@@ -168,12 +168,18 @@ def on_signal(signum, frame):
         pass
 
 def show(text):
-    """print; a reader gone away (`train.py | head`) stops the run as a signal does, and the rest goes nowhere."""
+    """print. A reader gone away (`train.py | head`) stops the run as a signal does; another failed write
+    does not (a closed terminal, EIO: its SIGHUP stops the run, unless ignored as under nohup). The rest
+    goes nowhere, and so does stderr if it shares the terminal or pipe."""
     try:
         print(text, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        STOP["signal"] = STOP["signal"] or signal.SIGPIPE
+    except OSError as e:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        if os.path.sameopenfile(sys.stdout.fileno(), sys.stderr.fileno()):  # not isatty(): false once hung up
+            os.dup2(nowhere, sys.stderr.fileno())
+        os.dup2(nowhere, sys.stdout.fileno())
+        if isinstance(e, BrokenPipeError):
+            STOP["signal"] = STOP["signal"] or signal.SIGPIPE
 
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 def launch_env():
@@ -188,9 +194,10 @@ def launch_env():
     if not (0 <= rank < world and 0 <= local < world) or (world > 1 and {"MASTER_ADDR", "MASTER_PORT"} - set(given)):
         raise UserError(" ".join(f"{k}={v}" for k, v in given.items()) + " without torchrun's full set (RANK < "
                         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): unset them, or launch with torchrun (README)")
-    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "RANK" not in given:
-        raise UserError("one of several SLURM tasks without torchrun: each would train alone into the same "
-                        "out_dir; launch with `srun torchrun ... train.py` (README)")
+    # srun sets SLURM_STEP_NUM_TASKS in each task it starts; a batch script (one process) has SLURM_NTASKS
+    if (tasks := int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))) > 1 and "RANK" not in given:
+        raise UserError(f"one of {tasks} tasks srun started, without torchrun: each would train alone into "
+                        "the same out_dir; launch with `srun torchrun ... train.py` (README)")
     return rank, world, local
 
 def setup_device(config):
@@ -216,7 +223,7 @@ def setup_device(config):
     return device, rank, world
 
 def open_data(data_dir):
-    """meta.json, the shards of both splits (memory-mapped), and the training token counts."""
+    """meta.json, the shards of both splits (each read as used), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = (default_data(data_dir) or [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
@@ -645,8 +652,9 @@ def main(argv):
         elif run.step >= run.max_steps:
             show(f"the run is complete ({run.step} steps); nothing to do")
         else:
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, on_signal)
+            for signum in STOP_SIGNALS:  # one ignored from the start stays so (nohup's SIGHUP)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    signal.signal(signum, on_signal)
             seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
             while run.step < run.max_steps:
                 start = time.time()
@@ -656,10 +664,11 @@ def main(argv):
                 if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
                     log_step(run, loss, grad_norm, seconds, steps_timed)
                     seconds, steps_timed = 0.0, 0
-                if (run.step % config.eval_interval == 0 or last) and not preempted:  # a preemption saves first
-                    report_eval(run, evaluate(run))
+                # The save before an evaluation: a kill during it (or its first compile) then loses no step
                 if run.step % config.ckpt_interval == 0 or last or stop:
                     checkpoint(run)
+                if (run.step % config.eval_interval == 0 or last) and not preempted:  # preempted: just save
+                    report_eval(run, evaluate(run))
                 if stop:
                     why = signal.Signals(preempted).name if preempted else f"--stop_step={config.stop_step}"
                     if run.rank == 0:

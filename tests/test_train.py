@@ -1,15 +1,18 @@
 """train.py: the sizes, training, resuming, DDP, checkpoints, evaluation, bad input."""
 import dataclasses
 import errno
+import fcntl
 import importlib.util
 import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -349,6 +352,57 @@ def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, re
     assert logged_losses(out) == reference_run
 
 
+def test_closing_the_terminal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run):
+    """The terminal closed: the kernel sends SIGHUP to the run (here the leader of the terminal's session),
+    whose writes to it fail from then on (EIO); it stops as at any preemption, saved, status 128 + SIGHUP."""
+    out, (master, terminal) = tmp_path / "run", os.openpty()
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdin=terminal, stdout=terminal,
+                            stderr=terminal, start_new_session=True,  # its own session, the pty its terminal
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal)  # left unread: the run's output (~3 KB) fits the terminal's buffer
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.close(master)
+    assert proc.wait(timeout=60) == 128 + signal.SIGHUP
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert 1 <= step < STEPS and max(logged_losses(out)) == step
+    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert logged_losses(out) == reference_run
+
+
+def test_signals_ignored_at_start_stay_ignored(train_data, tmp_path):
+    """`nohup train.py &` ignores SIGHUP, and a shell script's background job SIGINT: the run leaves them
+    ignored, so that logging out (or a Ctrl-C meant for the script) does not stop it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *RUN]
+    def as_nohup_and_a_background_job():  # in the child, before train.py starts
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proc = subprocess.Popen(cmd, cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=as_nohup_and_a_background_job)
+    log = out / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    logged_then = len(logged_losses(out))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout + stderr
+    assert logged_then < STEPS and len(logged_losses(out)) == STEPS
+
+
+def test_a_checkpoint_due_with_an_evaluation_is_saved_before_it(train_data, tmp_path):
+    """The save first: a preemption during the evaluation (on a GPU, its first compile takes minutes)
+    loses no step."""
+    r = train_cli(train_data, tmp_path / "run", "--total_tokens=2048", "--eval_interval=2",
+                  "--ckpt_interval=2")
+    assert r.stdout.index("checkpoint: step 2,") < r.stdout.index("eval step 2:"), r.stdout
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_path):
     out = tmp_path / "run"
     r = train_cli(train_data, out, "--total_tokens=5120", "--lr=1e30", "--warmup_steps=1", "--ckpt_interval=1", "--embedding=untied",
@@ -501,9 +555,11 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
                           (["--resume"], ["no checkpoint", "without --resume"])]:
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
         assert_one_error_line(code, capsys.readouterr().err, *phrases)
-    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env={"SLURM_NTASKS": "4"})
-    assert_one_error_line(r.returncode, r.stderr, "without torchrun", "srun torchrun")
+    srun_task = {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}  # srun -n 4 train.py
+    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env=srun_task)
+    assert_one_error_line(r.returncode, r.stderr, "4 tasks", "without torchrun", "srun torchrun")
     assert not out.exists()
+    train_cli(train_data, out, "--total_tokens=512", env={"SLURM_NTASKS": "4"})  # a batch script: one process
 
 
 def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
@@ -512,6 +568,19 @@ def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
         "error: batch_tokens=256 does not divide over world size 2 x micro_batch 8 x seq_len 32 = 512; "
         "use a multiple of it"]
+
+
+def test_a_data_folder_of_more_shards_than_open_files_allowed(train_data, tmp_path):
+    """No file stays open per shard: a folder of more shards than `ulimit -n` (here 64) trains."""
+    data = tmp_path / "data"
+    r = run_script("prepare_data.py", f"--dataset={train_data.parent / 'corpus.jsonl'}", f"--out_dir={data}",
+                   "--vocab_size=512", "--val_fraction=0.1", "--workers=1", "--shard_tokens=1000")
+    assert r.returncode == 0 and len(list(data.glob("*.bin"))) > 64, r.stderr
+    cmd = [sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS,
+           "--total_tokens=1024"]
+    r = subprocess.run(cmd, cwd=HERE, env=SCRIPT_ENV, capture_output=True, text=True,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    assert r.returncode == 0, r.stderr
 
 
 def test_shard_from_another_tokenizer(train_data, tmp_path):
