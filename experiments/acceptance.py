@@ -77,8 +77,8 @@ LIMITS = {
     # autocast, against the eager float32 model on the same tokens, its head random (a zero head would leave
     # the backbone without gradient): the worst parameter's |g - g_ref| / |g_ref| (whole tensors). bf16 keeps
     # 8 bits: each matmul's output is off by ~2e-3 relative, and the ~2 n_layer + 2 matmuls each way compound
-    # that to ~5e-3-1e-2 (measured on a CPU: the closing lines of experiments/README.md). It bounds the
-    # gradient norm's ratio too. A lost 1/accum doubles every gradient (error 1); a micro-step counted
+    # that to ~5e-3-1e-2 (5.5e-3 measured on a CPU: experiments/README.md). It bounds the gradient norms'
+    # ratio too. A lost 1/accum doubles every gradient (error 1); a micro-step counted
     # twice moves them by ~50%.
     "grad_reference": 2e-2,
     # The first logged loss of the 200m lev run against ln V: its head starts at zero, so every logit is 0.
