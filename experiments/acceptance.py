@@ -15,11 +15,13 @@ the critical path:
               compiled under bf16 against the eager float32 model (grad_reference, sdpa_kernel).
   200m        4 micro-batches a step, --deterministic, side by side: a run of STEPS steps that also
               evaluates; one sent SIGTERM after SIGNAL_AFTER steps, then resumed with a fresh compile
-              cache; 2 ranks sharing the GPU (gloo, --bf16_allreduce); with 2+ GPUs, 2 ranks on NCCL.
+              cache and stopped (no save) at step STEPS; 2 ranks sharing the GPU (gloo, --bf16_allreduce);
+              with 2+ GPUs, 2 ranks on NCCL.
   LEV alone   a 1.2b micro-batch of Zipf ids, timed alone: LEV's share of a micro-step.
-Estimated on one H100/H200 (no GPU run has confirmed it; the last lines printed give the measured
-time): references 30 s; 1.2b start 20 s + compile 120 s + steps 5 s = 145 s; the 200m runs, compiled
-cold side by side, ~150 s, the resumed one ~130 s more (its own cold compile); LEV alone 40 s: ~6.5 min.
+Estimated on one H100/H200 with a slow disk (no GPU run has confirmed it; the last lines printed give
+the measured time): data 10 s; references 30 s; 1.2b: start 20 s + compile 120 s + steps 5 s = 145 s;
+200m, on the critical path: the signalled run's start, cold compile and 2.5 GB save, 115 s, then the
+resumed run's start and cold compile, 105 s (the others alongside); LEV alone 40 s: ~445 s in all.
 BUDGET_S bounds the whole: past it every run is stopped, every figure logged so far is kept, and what
 was not measured makes the verdict INCOMPLETE, never FAIL. SIGTERM or Ctrl-C does the same at once.
 """
@@ -78,8 +80,7 @@ LIMITS = {
     # the backbone without gradient): the worst parameter's |g - g_ref| / |g_ref| (whole tensors). bf16 keeps
     # 8 bits: each matmul's output is off by ~2e-3 relative, and the ~2 n_layer + 2 matmuls each way compound
     # that to ~5e-3-1e-2 (5.5e-3 measured on a CPU: experiments/README.md). It bounds the gradient norms'
-    # ratio too. A lost 1/accum doubles every gradient (error 1); a micro-step counted
-    # twice moves them by ~50%.
+    # ratio too. A lost 1/accum doubles every gradient (error 1); a micro-step counted twice moves them ~50%.
     "grad_reference": 2e-2,
     # The first logged loss of the 200m lev run against ln V: its head starts at zero, so every logit is 0.
     "first_loss": 1e-3,
@@ -221,10 +222,7 @@ def measure(args, device, figures, started, deadline):
             args.data_dir, device, small)
         if cuda:
             torch.cuda.empty_cache()
-        wait_for_step(args.out_dir, "1.2b", LARGE_STEPS, started, deadline)
-        if started["1.2b"][0].poll() is None:  # measured: stopped without its save (~15 GB, a minute or more)
-            runs.stop(started["1.2b"][0], signal.SIGKILL)
-            figures["runs"]["1.2b"]["stopped"] = f"by this run, once it had logged {LARGE_STEPS} steps"
+        stop_once_logged("1.2b", LARGE_STEPS, args, figures, started, deadline)  # not its save (~15 GB, 1+ min)
     with part("200m runs"):
         run_200m(args, device, small, figures, started, deadline)
     with part("LEV alone"):
@@ -250,8 +248,9 @@ def run_200m(args, device, shape, figures, started, deadline):
     wait_for_run("200m-stopped", figures, started, deadline)
     if process.returncode == 128 + signal.SIGTERM:  # its own compile cache: a cold start must sum alike
         cold = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(os.path.join(args.out_dir, "compile-cache-resumed"))}
-        start_run("200m-resumed", options(args, device, shape, "200m-resumed", 4, *exact, "--resume"), args,
-                  figures, started, env=cold)
+        start_run("200m-resumed", options(args, device, shape, "200m-resumed", 4, "--deterministic", "--resume"),
+                  args, figures, started, env=cold)
+        stop_once_logged("200m-resumed", STEPS, args, figures, started, deadline)  # its save is not needed
     for name in list(started):
         wait_for_run(name, figures, started, deadline)
 
@@ -296,6 +295,13 @@ def wait_for_step(out_dir, folder, step, started, deadline, name=None):
             return
         time.sleep(0.01)
 
+def stop_once_logged(name, step, args, figures, started, deadline):
+    """Wait until the run (in the folder of its name) has logged step, then stop it where it is (SIGKILL)."""
+    wait_for_step(args.out_dir, name, step, started, deadline)
+    if started[name][0].poll() is None:
+        runs.stop(started[name][0], signal.SIGKILL)
+        figures["runs"][name]["stopped"] = f"by this run, once it had logged {step} steps"
+
 def wait_for_run(name, figures, started, deadline):
     """Until the run ends (a run that hangs, in a collective say, meets the deadline); its seconds."""
     process, start = started[name]
@@ -318,15 +324,13 @@ def read_runs(out_dir, figures):
         if run_line(name, run)[0] != "ok":
             run["tail"] = outputs[name].splitlines()[-40:]
     train = {folder: [r for r in log if r["type"] == "train"] for folder, log in logs.items()}
-    for name in ("200m-whole", "1.2b"):  # the runs measured alone in their process
+    for name in ("200m-whole", "1.2b"):  # the runs the memory check reads (one process each)
         run = figures["runs"].get(name, {})
         run.update({key: max((r[key] for r in train[name] if key in r), default=None) for key in MEMORY_HEADROOM})
-    difference = lambda other: largest_loss_difference(train["200m-whole"], train[other], STEPS)  # noqa: E731
-    if figures["runs"].get("200m-resumed", {}).get("exit") == 0:
-        checks["resume_cold_cache"] = difference("200m-resumed")
-    for check, folder in (("ddp_one_gpu", "200m-ddp-one-gpu"), ("ddp", "200m-ddp")):
-        if check in checks and figures["runs"].get(folder, {}).get("exit") == 0:
-            checks[check] = difference(folder)
+    for check, folder in (("resume_cold_cache", "200m-resumed"), ("ddp_one_gpu", "200m-ddp-one-gpu"),
+                          ("ddp", "200m-ddp")):
+        if check in checks:  # measured once both runs have logged every step
+            checks[check] = largest_loss_difference(train["200m-whole"], train[folder], STEPS)
     if train["200m-whole"] and figures["limits"]["eval"]:
         first, last = train["200m-whole"][0], train["200m-whole"][-1]
         checks["first_loss"] = abs(first["loss"] - figures["limits"]["eval"]) if first["step"] == 1 else None
@@ -337,7 +341,8 @@ def read_runs(out_dir, figures):
     if "memory" in checks:
         checks["memory"] = memory_fraction({"200m": train["200m-whole"], "1.2b": train["1.2b"]})
     resumed = [r for r in train["200m-resumed"] if saved is not None and r["step"] > saved]
-    for name, folder, steps, micro_batches in (("200m", "200m-resumed", resumed, 4), ("1.2b", "1.2b", train["1.2b"], 2)):
+    for name, folder, steps, micro_batches in (("200m", "200m-resumed", resumed, 4),
+                                               ("1.2b", "1.2b", train["1.2b"], 2)):
         figures["speed"][name] = speed(steps, micro_batches, os.path.join(out_dir, folder), figures["device"])
     if "mfu 1.2b" in checks and figures["speed"]["1.2b"]:
         checks["mfu 1.2b"] = figures["speed"]["1.2b"]["mfu"]
@@ -594,8 +599,8 @@ def report(figures, json_path):
         print(f"gradient norm, compiled bf16 over eager float32: {figures['grad_norm_ratio']:.4f}")
     if figures["lev"]:
         lev = figures["lev"]
-        print(f"LEV alone, forward + backward: {lev['seconds'] * 1e3:.1f} ms for {lev['distinct_ids']:,} distinct ids "
-              f"in {lev['tokens']:,} tokens (Zipf, exponent {lev['zipf_exponent']})")
+        print(f"LEV alone, forward + backward: {lev['seconds'] * 1e3:.1f} ms for {lev['distinct_ids']:,} distinct "
+              f"ids in {lev['tokens']:,} tokens (Zipf, exponent {lev['zipf_exponent']})")
     for state, line in figures["lines"]:
         print(f"{state:<11}{line}")
     for check, why in figures["skipped"].items():

@@ -757,13 +757,14 @@ def test_acceptance_fails_a_wrong_figure_and_keeps_a_crashed_runs_last_lines(tra
 
 def test_acceptance_cut_by_its_budget_is_incomplete_and_keeps_its_figures(train_data, tmp_path, monkeypatch,
                                                                            capsys):
-    """The budget spent a few seconds in, during the 1.2b run: every run is stopped, the references'
-    figures are kept, what was not measured is INCOMPLETE (status 2), never FAIL."""
+    """The budget spent a few seconds in (no run gets far): the runs still going are stopped, the
+    references' figures are kept, what was not measured is INCOMPLETE (status 2), never FAIL."""
     monkeypatch.setattr(acceptance, "BUDGET_S", acceptance.CLOSING_S + 5)
     code, lines, figures = acceptance_toy(train_data, tmp_path, monkeypatch, capsys, tmp_path / "runs")
     assert (code, lines[-1].split(":")[0]) == (2, "INCOMPLETE"), lines
     assert figures["checks"]["lev_reference"] < 1e-5 and figures["checks"]["loss_reference"] < 2e-2
-    assert figures["runs"]["1.2b"]["stopped"].startswith("cut short: stopped by the time budget")
+    assert any(run.get("stopped", "").startswith("cut short: stopped by the time budget")
+               for run in figures["runs"].values()), figures["runs"]
     assert not any(line.startswith("FAIL") for line in lines) and not (tmp_path / "runs").exists()
 
 
