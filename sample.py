@@ -4,8 +4,7 @@
     python sample.py --out_dir=RUN --prompt="The river" --num_samples=3 --temperature=0.8 --top_p=0.95
     python sample.py --out_dir=RUN --prompt_file=prompt.txt --temperature=0 --stop_at_eot=false
 """
-import codecs, math, os, sys, time, zipfile
-from contextlib import nullcontext
+import codecs, math, os, sys, time
 
 from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main, tokenizer_from_meta
 if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
@@ -13,22 +12,7 @@ if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is 
 import torch
 
 from leviathan import Config, Model, generate
-
-def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
-    """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is read."""
-    if not zipfile.is_zipfile(path):  # torch.save's format: an empty, cut-short or foreign file is no zip
-        size = os.path.getsize(path)
-        what = f"its {size:,} bytes are not in torch.save's format" if size else "it is empty"
-        raise UserError(f"{path} is not a checkpoint ({what}): a save cut short, or another file; train again")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a damaged zip, or pickled objects
-        raise UserError(f"could not read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); is it a "
-                        "train.py checkpoint?") from None
-    missing = [key for key in keys if not isinstance(ckpt, dict) or key not in ckpt]
-    if missing or not isinstance(ckpt["model"], dict):
-        raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing or ['model'])})")
-    return ckpt
+from train import load_checkpoint, precision
 
 def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
@@ -58,11 +42,6 @@ def load_model(out_dir, device="cpu"):
         raise UserError(f"{path}: {', '.join(bad[:3])} hold nan or inf (a run that diverged); use an earlier checkpoint")
     model.load_state_dict(state)
     return model.eval(), tok, ckpt.get("step")
-
-def precision(device, bf16=None):
-    """bf16 autocast on a GPU (LEV and softmax stay float32), float32 on a CPU, as train.py trains; bf16 overrides."""
-    on = torch.device(device).type == "cuda" if bf16 is None else bf16
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else nullcontext()
 
 def check_device(name):  # a --device this machine cannot use is one line
     try:

@@ -22,7 +22,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta, parse_bool, parse_number,
                           print_error, read_shard, run_main, shard_paths, tokenizer_from_meta, write_json)
-from sample import load_checkpoint, precision
 
 # ---------------------------------------------------------------------------- the options and the sizes
 DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU, its LEV with h * r = D modes (not the paper's 512)
@@ -337,6 +336,24 @@ def lock_run_folder(out_dir):
         if isinstance(e, BlockingIOError):
             raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
                             "another --out_dir") from None
+
+def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
+    """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is read.
+    Anything else (a save cut short, another file) is one error line."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        missing = [key for key in keys if key not in ckpt]
+    except Exception as e:  # not torch.save's format, a damaged zip, pickled objects, not a dict
+        raise UserError(f"{path} is not a readable train.py checkpoint (torch.load: {type(e).__name__}): a save "
+                        "cut short, or another file; train again") from None
+    if missing:
+        raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing)})")
+    return ckpt
+
+def precision(device, bf16=None):
+    """bf16 autocast on a GPU (LEV and softmax stay float32), float32 on a CPU, as train.py trains; bf16 overrides."""
+    on = torch.device(device).type == "cuda" if bf16 is None else bf16
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else nullcontext()
 
 def check_fit(ckpt, path, config, model_cfg, meta, data):
     """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data;

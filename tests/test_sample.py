@@ -111,8 +111,8 @@ def bad_inputs(tmp_path_factory):
     return {
         "no folder": ([f"--out_dir={root / 'missing'}"], "not found"),
         "no checkpoint": ([f"--out_dir={root / 'empty'}"], "no checkpoint"),
-        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "its 16 bytes are not in torch.save's format"),
-        "zero bytes": ([f"--out_dir={root / 'zero'}"], "is not a checkpoint (it is empty)"),
+        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "is not a readable train.py checkpoint"),
+        "zero bytes": ([f"--out_dir={root / 'zero'}"], "is not a readable train.py checkpoint"),
         "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
         "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
         "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],

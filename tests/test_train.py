@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import leviathan
-import sample
 import train
 from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, logged_losses, prepare_corpus,
                       run_script, train_cli)
@@ -252,7 +251,7 @@ def test_checkpoint_saved_on_another_device_resumes_exactly(train_data, tmp_path
         SAVED_ELSEWHERE["on"] = False
     with pytest.raises(RuntimeError, match="does not have"):  # what loading it where it was saved does
         torch.load(out / "ckpt.pt", weights_only=True)
-    loaded = sample.load_checkpoint(str(out / "ckpt.pt"))
+    loaded = train.load_checkpoint(str(out / "ckpt.pt"))
     assert all(t.device.type == "cpu" for t in loaded["model"].values())
     train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
     assert logged_losses(out) == reference_run
@@ -307,7 +306,7 @@ def test_a_tied_checkpoint_holds_its_table_once(train_data, tmp_path):
     train.build(run)
     run.step = 1
     train.checkpoint(run)
-    model = sample.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["model"]
+    model = train.load_checkpoint(str(tmp_path / "run" / "ckpt.pt"))["model"]
     assert model["head.weight"].untyped_storage().data_ptr() == model["embed.weight"].untyped_storage().data_ptr()
 
 
