@@ -4,9 +4,10 @@
     python sample.py --out_dir=RUN --prompt="The river" --num_samples=3 --temperature=0.8 --top_p=0.95
     python sample.py --out_dir=RUN --prompt_file=prompt.txt --temperature=0 --stop_at_eot=false
 """
-import codecs, math, os, sys, time
+import codecs, math, os, sys, textwrap, time
 
-from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main, tokenizer_from_meta
+from prepare_data import (ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main,
+                          tokenizer_from_meta)
 if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
     quiet_interrupt()
 import torch
@@ -25,22 +26,19 @@ def load_model(out_dir, device="cpu"):
     try:  # Config checks model_config; tokenizer_from_meta rebuilds the tokenizer data_meta names
         cfg, tok = Config(**ckpt["model_config"]), tokenizer_from_meta(ckpt["data_meta"])
     except (TypeError, ValueError, KeyError, UserError) as e:
-        raise UserError(f"{path}: its model_config or data_meta does not fit this code ({type(e).__name__}: {e}); "
-                        f"{other}") from None
-    if tok.n_vocab > cfg.vocab_size:
-        raise UserError(f"{path}: the tokenizer has {tok.n_vocab} ids but the model only {cfg.vocab_size}")
+        raise UserError(f"{path}: its model_config or data_meta does not fit this code "
+                        f"({type(e).__name__}: {e}); {other}") from None
     with torch.device(device):  # initialised on the device: far faster for a large model on a GPU
         model = Model(cfg)
-    want, state = model.state_dict(), ckpt["model"]  # a mismatch in one line, not load_state_dict's report
-    found = {"missing": [k for k in want if k not in state], "unexpected": [k for k in state if k not in want],
-             "shapes differ:": [f"{k} {list(state[k].shape)} (code wants {list(v.shape)})"
-                                for k, v in want.items() if k in state and state[k].shape != v.shape]}
-    if problems := [f"{what} {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-                    for what, names in found.items() if names]:
-        raise UserError(f"{path}: the weights do not fit its model_config ({'; '.join(problems)}); {other}")
-    if bad := [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]:
-        raise UserError(f"{path}: {', '.join(bad[:3])} hold nan or inf (a run that diverged); use an earlier checkpoint")
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # its message: a header line, then each missing, unexpected or reshaped tensor
+        mismatch = textwrap.shorten(str(e).split("\n", 1)[-1].rstrip(". "), 200, placeholder=" ...")
+        raise UserError(f"{path}: the weights do not fit its model_config ({mismatch}); {other}") from None
+    # A run that diverged: greedy decoding would print the argmax of nan logits, id 0, as if it were text.
+    if bad := [k for k, v in ckpt["model"].items() if v.is_floating_point() and not v.isfinite().all()]:
+        raise UserError(f"{path}: {', '.join(bad[:3])} hold nan or inf (a run that diverged); "
+                        "use an earlier checkpoint")
     return model.eval(), tok, ckpt.get("step")
 
 def check_device(name):  # a --device this machine cannot use is one line

@@ -93,7 +93,7 @@ def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory):
-    """name -> (command-line arguments, what the error line must say)."""
+    """name -> (command-line arguments, what the error line must say, ...)."""
     root = tmp_path_factory.mktemp("bad")
     model = random_model("lev")
     good = f"--out_dir={save_run(root / 'good', model)}"
@@ -116,9 +116,9 @@ def bad_inputs(tmp_path_factory):
         "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
         "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
         "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
-                        "head.weight [384, 32]"),
+                        "weights do not fit", "head.weight", "[384, 32]"),
         "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
-                           "missing norm.weight"),
+                           "weights do not fit", "Missing", "norm.weight"),
         "nan weights": ([run_dir("n", state={**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)})],
                         "norm.weight hold nan or inf"),
         "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
@@ -151,10 +151,10 @@ BAD = ["no folder", "no checkpoint", "corrupt", "zero bytes", "unknown config ke
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
     # In-process through main(), the CLI's entry point: an exception escaping it fails here.
-    args, phrase = bad_inputs[case]
+    args, *phrases = bad_inputs[case]
     code = sample.main(args)
     out, err = capsys.readouterr()
-    assert_one_error_line(code, err, phrase)
+    assert_one_error_line(code, err, *phrases)
     assert out == ""
 
 
@@ -178,7 +178,7 @@ def test_bad_input_as_a_process(bad_inputs):
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:
         results = list(pool.map(lambda case: run_script("sample.py", *bad_inputs[case][0]), cases))
     for case, r in zip(cases, results):
-        assert_one_error_line(r.returncode, r.stderr, bad_inputs[case][1])
+        assert_one_error_line(r.returncode, r.stderr, *bad_inputs[case][1:])
         assert r.stdout == ""
 
 
