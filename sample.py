@@ -4,9 +4,10 @@
     python sample.py --out_dir=RUN --prompt="The river" --num_samples=3 --temperature=0.8 --top_p=0.95
     python sample.py --out_dir=RUN --prompt_file=prompt.txt --temperature=0 --stop_at_eot=false
 """
-import codecs, math, os, sys, time
+import codecs, math, os, sys, textwrap, time
 
-from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main, tokenizer_from_meta
+from prepare_data import (ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main,
+                          tokenizer_from_meta)
 if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
     quiet_interrupt()
 import torch
@@ -25,29 +26,27 @@ def load_model(out_dir, device="cpu"):
     try:  # Config checks model_config; tokenizer_from_meta rebuilds the tokenizer data_meta names
         cfg, tok = Config(**ckpt["model_config"]), tokenizer_from_meta(ckpt["data_meta"])
     except (TypeError, ValueError, KeyError, UserError) as e:
-        raise UserError(f"{path}: its model_config or data_meta does not fit this code ({type(e).__name__}: {e}); "
-                        f"{other}") from None
-    if tok.n_vocab > cfg.vocab_size:
-        raise UserError(f"{path}: the tokenizer has {tok.n_vocab} ids but the model only {cfg.vocab_size}")
+        raise UserError(f"{path}: its model_config or data_meta does not fit this code "
+                        f"({type(e).__name__}: {e}); {other}") from None
     with torch.device(device):  # initialised on the device: far faster for a large model on a GPU
         model = Model(cfg)
-    want, state = model.state_dict(), ckpt["model"]  # a mismatch in one line, not load_state_dict's report
-    found = {"missing": [k for k in want if k not in state], "unexpected": [k for k in state if k not in want],
-             "shapes differ:": [f"{k} {list(state[k].shape)} (code wants {list(v.shape)})"
-                                for k, v in want.items() if k in state and state[k].shape != v.shape]}
-    if problems := [f"{what} {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-                    for what, names in found.items() if names]:
-        raise UserError(f"{path}: the weights do not fit its model_config ({'; '.join(problems)}); {other}")
-    if bad := [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]:
-        raise UserError(f"{path}: {', '.join(bad[:3])} hold nan or inf (a run that diverged); use an earlier checkpoint")
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # its message: a header line, then each missing, unexpected or reshaped tensor
+        mismatch = textwrap.shorten(str(e).split("\n", 1)[-1].rstrip(". "), 200, placeholder=" ...")
+        raise UserError(f"{path}: the weights do not fit its model_config ({mismatch}); {other}") from None
+    # A run that diverged: greedy decoding would print the argmax of nan logits, id 0, as if it were text.
+    if bad := [k for k, v in ckpt["model"].items() if v.is_floating_point() and not v.isfinite().all()]:
+        raise UserError(f"{path}: {', '.join(bad[:3])} hold nan or inf (a run that diverged); "
+                        "use an earlier checkpoint")
     return model.eval(), tok, ckpt.get("step")
 
 def check_device(name):  # a --device this machine cannot use is one line
     try:
         torch.empty(1, device=name)
     except Exception as e:  # RuntimeError, or AssertionError from a torch built without CUDA
-        reason = next((r for r in str(e).splitlines()[:1] if len(r) <= 120), "this torch was not built for it")
+        reason = next((r for r in str(e).splitlines()[:1] if len(r) <= 120),
+                      "this torch was not built for it")
         raise UserError(f"device {name!r} is not usable here ({reason}); try --device=cpu") from None
 
 class TextStream:
@@ -60,13 +59,21 @@ class TextStream:
     def flush(self):  # an incomplete last character as U+FFFD
         return self.utf8.decode(b"", final=True)
 
+def utf8_text(path):
+    """--prompt_file's text. A file that is not there is run_main's one line; one that is not UTF-8,
+    argparse's (a UnicodeDecodeError is a ValueError)."""
+    with open(path, encoding="utf-8") as f:
+        return f.read().removesuffix("\n")  # editors add one
+
 def parse_args(argv):
     parser = ArgumentParser("sample.py", description=__doc__.split("\n\n")[0])
     add, integer, number = parser.add_argument, parse_number(int), parse_number(float)
     flag = dict(type=parse_bool, nargs="?", const=True)  # --name alone, or --name=true/false
     add("--out_dir", required=True, help="run folder holding ckpt.pt")
-    add("--prompt", default="", help="text to continue (empty: start a new document)")
-    add("--prompt_file", help="read the prompt from this UTF-8 file (one final newline is dropped)")
+    prompt = parser.add_mutually_exclusive_group()  # both: argparse refuses in one line
+    prompt.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
+    prompt.add_argument("--prompt_file", dest="prompt", type=utf8_text,
+                        help="read the prompt from this UTF-8 file (one final newline is dropped)")
     add("--num_samples", type=integer, default=1, help="samples from the same prompt")
     add("--max_new_tokens", type=integer, default=256, help="tokens per sample at most")
     add("--temperature", type=number, default=0.8, help="0 = greedy")
@@ -75,27 +82,19 @@ def parse_args(argv):
     add("--seed", type=integer, default=1337, help="seed of the sampling generator")
     add("--stop_at_eot", **flag, default=True, help="stop a sample at end-of-text (default true)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
-    add("--compile", **flag, default=False, help="torch.compile LEV (before freezing it) and the forward pass")
-    add("--bf16", **flag, default=None, help="bf16 autocast, as in training (default: on for CUDA, off for CPU)")
+    add("--compile", **flag, default=False, help="torch.compile LEV (before freezing) and the forward pass")
+    add("--bf16", **flag, default=None, help="bf16 autocast, as in training (default: on for CUDA only)")
     args = parser.parse_args(argv)
-    for bad, message in [
-            (not 0 <= args.temperature < math.inf, f"--temperature must be >= 0 and finite, got {args.temperature}"),
-            (not 0 <= args.seed < 2**63, f"--seed must be in [0, 2^63), as train.py's, got {args.seed}"),
-            (not 0 < args.top_p <= 1, f"--top_p must be in (0, 1] (1 = off), got {args.top_p}"),
-            (args.top_k < 0, f"--top_k must be >= 0 (0 = off), got {args.top_k}"),
-            (min(args.num_samples, args.max_new_tokens) < 1, "--num_samples and --max_new_tokens must be at least 1"),
-            (args.prompt and args.prompt_file, "pass --prompt or --prompt_file, not both")]:
-        if bad:
-            raise UserError(message)
+    # Out of range: the least likely ids (temperature < 0), a torch traceback (top_k, top_p, seed), no output
+    for name, fits, allowed in [("temperature", 0 <= args.temperature < math.inf, ">= 0 and finite"),
+                                ("top_k", args.top_k >= 0, ">= 0 (0 = off)"),
+                                ("top_p", 0 < args.top_p <= 1, "in (0, 1] (1 = off)"),
+                                ("seed", 0 <= args.seed < 2**63, "in [0, 2^63), as train.py's"),
+                                ("num_samples", args.num_samples >= 1, "at least 1"),
+                                ("max_new_tokens", args.max_new_tokens >= 1, "at least 1")]:
+        if not fits:
+            raise UserError(f"--{name} must be {allowed}, got {getattr(args, name)}")
     check_device(args.device)
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                args.prompt = f.read().removesuffix("\n")  # editors add one
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read --prompt_file {args.prompt_file}: {e}") from None
-        if not args.prompt.strip():
-            raise UserError(f"--prompt_file {args.prompt_file} is empty; write the prompt (or pass --prompt=)")
     return args
 
 def sample(args):
@@ -103,23 +102,25 @@ def sample(args):
     # Empty, the prompt is a document boundary: in training every document follows an end-of-text.
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot]
     if len(ids) > model.cfg.seq_len:
-        raise UserError(f"the prompt is {len(ids)} tokens but the model's context is {model.cfg.seq_len}; shorten it")
+        raise UserError(f"the prompt is {len(ids)} tokens but the model's context is {model.cfg.seq_len}; "
+                        "shorten it")
     if args.compile:
         model.compile(dynamic=True)  # before freezing: the compiled generator freezes in half the time on CPU
     model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    print(f"# {args.out_dir}: {model.cfg.embedding} arm, step {step}, tokenizer {tok.name} ({tok.n_vocab} ids), "
-          f"{args.device}", file=sys.stderr)  # stderr: stdout is only text
+    print(f"# {args.out_dir}: {model.cfg.embedding} arm, step {step}, tokenizer {tok.name} "
+          f"({tok.n_vocab} ids), {args.device}", file=sys.stderr)  # stderr: stdout is only text
     for i in range(args.num_samples):
         sys.stdout.write(("---------------\n" if i else "") + args.prompt)
         stream, n, start = TextStream(tok), 0, time.perf_counter()
         with precision(args.device, args.bf16):
             for n, token in enumerate(generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
-                                               args.top_p, generator, stop_id=tok.eot if args.stop_at_eot else None,
-                                               n_valid=tok.n_vocab), 1):
+                                               args.top_p, generator, n_valid=tok.n_vocab,
+                                               stop_id=tok.eot if args.stop_at_eot else None), 1):
                 print(stream.push(token), end="", flush=True)
         print(stream.flush(), flush=True)
-        print(f"# sample {i + 1}: {n} tokens, {n / (time.perf_counter() - start):.1f} tokens/s", file=sys.stderr)
+        speed = n / (time.perf_counter() - start)
+        print(f"# sample {i + 1}: {n} tokens, {speed:.1f} tokens/s", file=sys.stderr)
 
 def main(argv=None):
     return run_main(lambda argv: sample(parse_args(argv)), argv)

@@ -73,10 +73,11 @@ def test_cli_streams_the_sample_that_generate_gives(tmp_path):
 
 
 def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
-    """What main() hands to generate(): end-of-text for an empty prompt, a prompt file's
-    text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
+    """What main() hands to generate(): end-of-text for an empty prompt (or prompt file), a prompt
+    file's text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
     folder = save_run(tmp_path / "run", random_model("untied"))
     (tmp_path / "prompt.txt").write_text("Once upon\n")
+    (tmp_path / "empty.txt").write_text("\n")
     calls, real = [], sample.generate
 
     def spy(model, prompt_ids, *args, **kw):
@@ -86,14 +87,15 @@ def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
     assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3"]) == 0
     assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'prompt.txt'}",
                         "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
+    assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'empty.txt'}", "--max_new_tokens=3"]) == 0
     tok = tokenizer_from_meta(META)
-    assert calls == [([EOT], EOT, N_VALID), (tok.encode("Once upon"), None, N_VALID)]
+    assert calls == [([EOT], EOT, N_VALID), (tok.encode("Once upon"), None, N_VALID), ([EOT], EOT, N_VALID)]
     assert "\nOnce upon" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory):
-    """name -> (command-line arguments, what the error line must say)."""
+    """name -> (command-line arguments, what the error line must say, ...)."""
     root = tmp_path_factory.mktemp("bad")
     model = random_model("lev")
     good = f"--out_dir={save_run(root / 'good', model)}"
@@ -103,7 +105,7 @@ def bad_inputs(tmp_path_factory):
     (root / "corrupt" / "ckpt.pt").write_bytes(b"not a checkpoint")
     (root / "zero").mkdir()
     (root / "zero" / "ckpt.pt").write_bytes(b"")
-    (root / "empty.txt").write_text("\n")
+    (root / "latin1.txt").write_bytes("café".encode("latin-1"))
     (root / "long.txt").write_text("word " * 100)
 
     def run_dir(name, **kw):
@@ -116,14 +118,15 @@ def bad_inputs(tmp_path_factory):
         "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
         "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
         "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
-                        "head.weight [384, 32]"),
+                        "weights do not fit", "head.weight", "[384, 32]"),
         "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
-                           "missing norm.weight"),
+                           "weights do not fit", "Missing", "norm.weight"),
         "nan weights": ([run_dir("n", state={**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)})],
                         "norm.weight hold nan or inf"),
         "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
-        "empty prompt file": ([good, f"--prompt_file={root / 'empty.txt'}"], "is empty"),
-        "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "cannot read"),
+        "prompt file not UTF-8": ([good, f"--prompt_file={root / 'latin1.txt'}"], "--prompt_file", "utf8_text"),
+        "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "No such file", "absent.txt"),
+        "two prompts": ([good, "--prompt=hi", f"--prompt_file={root / 'long.txt'}"], "not allowed with"),
         "prompt too long": ([good, f"--prompt_file={root / 'long.txt'}"], "shorten it"),
         "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
         "infinite temperature": ([good, "--temperature=inf"], "temperature must be >= 0 and finite"),
@@ -132,7 +135,8 @@ def bad_inputs(tmp_path_factory):
         "top_p zero": ([good, "--top_p=0"], "top_p must be in (0, 1]"),
         "top_p above one": ([good, "--top_p=1.5"], "top_p must be in (0, 1]"),
         "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
-        "no samples": ([good, "--num_samples=0"], "num_samples"),
+        "no samples": ([good, "--num_samples=0"], "--num_samples must be at least 1"),
+        "no new tokens": ([good, "--max_new_tokens=0"], "--max_new_tokens must be at least 1"),
         "unknown option": ([good, "--temprature=1"], "unrecognized arguments"),
         "bad flag": ([good, "--stop_at_eot=maybe"], "true or false"),
         "no out_dir": (["--prompt=hi"], "out_dir"),
@@ -142,19 +146,20 @@ def bad_inputs(tmp_path_factory):
 
 
 BAD = ["no folder", "no checkpoint", "corrupt", "zero bytes", "unknown config key", "bad config value",
-       "wrong shape", "missing weight", "nan weights", "bad tokenizer", "empty prompt file", "missing prompt file",
-       "prompt too long", "negative temperature", "infinite temperature", "seed too large", "fractional count",
-       "top_p zero", "top_p above one", "negative top_k", "no samples", "unknown option", "bad flag", "no out_dir",
-       "unusable device"] + (["device not built"] if not torch.backends.mps.is_available() else [])
+       "wrong shape", "missing weight", "nan weights", "bad tokenizer", "prompt file not UTF-8",
+       "missing prompt file", "two prompts", "prompt too long", "negative temperature", "infinite temperature",
+       "seed too large", "fractional count", "top_p zero", "top_p above one", "negative top_k", "no samples",
+       "no new tokens", "unknown option", "bad flag", "no out_dir", "unusable device"]
+BAD += [] if torch.backends.mps.is_available() else ["device not built"]
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
     # In-process through main(), the CLI's entry point: an exception escaping it fails here.
-    args, phrase = bad_inputs[case]
+    args, *phrases = bad_inputs[case]
     code = sample.main(args)
     out, err = capsys.readouterr()
-    assert_one_error_line(code, err, phrase)
+    assert_one_error_line(code, err, *phrases)
     assert out == ""
 
 
@@ -174,11 +179,11 @@ def test_output_into_a_reader_that_stops_early_ends_quietly(tmp_path):
 def test_bad_input_as_a_process(bad_inputs):
     """The same, as real processes, for one case from each stage (arguments, checkpoint,
     weights, prompt), run at once: each `python sample.py` pays for its imports."""
-    cases = ["negative temperature", "no checkpoint", "wrong shape", "empty prompt file"]
+    cases = ["negative temperature", "no checkpoint", "wrong shape", "prompt too long"]
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:
         results = list(pool.map(lambda case: run_script("sample.py", *bad_inputs[case][0]), cases))
     for case, r in zip(cases, results):
-        assert_one_error_line(r.returncode, r.stderr, bad_inputs[case][1])
+        assert_one_error_line(r.returncode, r.stderr, *bad_inputs[case][1:])
         assert r.stdout == ""
 
 
