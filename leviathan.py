@@ -9,6 +9,7 @@ Read top to bottom: LEV as the method's equations, the configuration, the backbo
 its three arms (lev / tied / untied), generation; then an appendix that exists only for speed and
 memory (skip it on a first reading). Imports only torch: copy this file alone. Sizes: train.py.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -159,7 +160,9 @@ class Config:
                                 lev_seed_dim=2, lev_heads=1, lev_knots=3, lev_rank=1).items():
             value = getattr(self, name)
             check(isinstance(value, int) and value >= least, name, f"must be an integer >= {least}")
-        check(0 < self.rope_theta < math.inf, "rope_theta", "must be > 0 and finite (the rotary base)")
+        # the rotary base is used in float32: past its range the tables would silently hold inf and nan
+        check(0 < self.rope_theta <= torch.finfo(torch.float32).max, "rope_theta",
+              "must be > 0 and finite in float32")
         check(0 < self.lev_sigmoid_scale < math.inf, "lev_sigmoid_scale", "must be > 0 and finite")
         check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
               "even-sized heads (rotary embeddings rotate pairs of dimensions)")
@@ -366,6 +369,12 @@ class Model(nn.Module):
         for group in groups:
             group["lr"] = lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
+def precision(device, bf16=None):
+    """The context the model trains and runs in: bf16 autocast on a GPU (LEV and the softmax stay float32
+    inside it), float32 on a CPU; bf16 overrides."""
+    on = torch.device(device).type == "cuda" if bf16 is None else bf16
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
 # ---------------------------------------------------------------------------- generation
 

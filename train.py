@@ -1,10 +1,10 @@
 """Train a Leviathan model (or a baseline) on prepare_data.py's token shards.
 
-    python train.py --size=tiny                          # CPU, minutes (data/demo); then --resume or --eval_only
-    torchrun --nproc_per_node=8 train.py --size=1.2b     # DDP; add --nnodes/--rdzv_* for several nodes
+    python train.py --size=tiny                       # CPU, minutes (data/demo); then --resume or --eval_only
+    torchrun --nproc_per_node=8 train.py --size=1.2b  # DDP; add --nnodes/--rdzv_* for several nodes
 
-Each key of DEFAULTS is an option, --name=value (a bare --flag is true); DEFAULTS' comments in train.py say what
-each does, and a size (SIZES) sets its own values over tiny's.
+Each key of DEFAULTS is an option, --name=value (a bare --flag is true); DEFAULTS' comments say what each
+does, and a size (SIZES) sets its own values over tiny's.
 """
 import argparse, datetime, importlib.util, inspect, json, math, os, re, signal, sys, time, zlib
 from contextlib import nullcontext
@@ -19,137 +19,162 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab
-from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta, parse_bool, parse_number,
-                          print_error, read_shard, run_main, shard_paths, tokenizer_from_meta, write_json)
+from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
+from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta, parse_bool,
+                          parse_number, print_error, read_shard, run_main, shard_paths, tokenizer_from_meta,
+                          write_json)
 
 # ---------------------------------------------------------------------------- the options and the sizes
-DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU, its LEV with h * r = D modes (not the paper's 512)
-    # embedding: lev (Leviathan) | tied (the paper's baseline) | untied (ablation); out_dir "": out/<size>-<embedding>
-    size="tiny", embedding="lev", data_dir="data/demo", out_dir="",
-    # the model (leviathan.Config; vocab_size comes from the data): width D, blocks, heads, context, rotary base;
-    # LEV's k digits per id, d_seed, h heads, kappa knots, r modes per head, t = sigmoid(scale * u) with (R) 1/2
-    d_model=128, n_layer=4, n_head=4, seq_len=256, rope_theta=10_000.0,
-    lev_digits=3, lev_seed_dim=128, lev_heads=4, lev_knots=16, lev_rank=32, lev_sigmoid_scale=0.5,
-    # steps = total_tokens // batch_tokens, the tokens of a step over all GPUs, whatever their number;
-    # micro_batch: sequences per GPU per forward pass, accumulation fills the rest
-    total_tokens=2_703_360, batch_tokens=16 * 256, micro_batch=16,
-    # AdamW: lr for the backbone, x lr_input for the input side (LEV or the table), x lr_head for the untied head
-    # (None: LR_SCALES); linear warmup, cosine decay to min_lr_frac * lr; weight decay on the matrices only
-    lr=3e-3, lr_input=None, lr_head=None, warmup_steps=30, min_lr_frac=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95,
-    grad_clip=1.0, seed=1337,  # seed: the model's init and the data order
-    # each *_interval steps and at the end; eval_tokens: the first of the val split; eval_only: evaluate
-    # out_dir/ckpt.pt; resume: continue from it; stop_step: save and exit there, the schedule unchanged (0: never)
-    eval_interval=200, eval_tokens=1 << 16, log_interval=10, ckpt_interval=200, eval_only=False, resume=False,
-    stop_step=0,
-    # device: auto (cuda if there is a GPU) | cpu | cuda; compile, and bf16 autocast (LEV and the softmax stay
-    # float32): None, on for CUDA only; bf16_allreduce: DDP's gradients in bf16, half the traffic (CUDA only);
-    # backend: DDP's, auto (nccl on CUDA, gloo on CPU) | nccl | gloo (on CUDA: ranks sharing a GPU, no NCCL);
-    # deterministic: bit-identical reruns and resumes (CUDA: slower); wandb_project: log to Weights & Biases there
-    device="auto", compile=None, bf16=None, bf16_allreduce=False, backend="auto", deterministic=False,
-    wandb_project="")
-KINDS = {"lr_input": float, "lr_head": float, "compile": bool, "bf16": bool}  # the options whose default is None
-# The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative GPT-3/Pythia
-# rates (it publishes none; LEV's product spikes at too high a rate). Heads of 128 dims and the depth that brings
-# the *tied* model (embedding included, as the paper counts) closest to its size with o200k_base: 203.2M, 397.6M,
-# 1.219B.
-PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512, micro_batch=16,
-             warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
+DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU; each size in SIZES sets its own values over these
+    # the run
+    size="tiny",  # a row of SIZES: tiny | 200m | 400m | 1.2b
+    embedding="lev",  # lev (Leviathan) | tied (the paper's baseline) | untied (the ablation)
+    data_dir="data/demo",  # prepare_data.py's output
+    out_dir="",  # "": out/<size>-<embedding>
+    # the model: leviathan.Config (vocab_size comes from the data)
+    d_model=128,  # width D
+    n_layer=4,  # blocks
+    n_head=4,  # attention heads
+    seq_len=256,  # context, in tokens
+    rope_theta=10_000.0,  # rotary base
+    lev_digits=3,  # LEV: k digits per id
+    lev_seed_dim=128,  # d_seed, the width of z
+    lev_heads=4,  # h
+    lev_knots=16,  # kappa
+    lev_rank=32,  # r modes per head (tiny: h * r = D, not the paper's 512)
+    lev_sigmoid_scale=0.5,  # t = sigmoid(scale * u), (R) 1/2
+    # the batch
+    total_tokens=2_703_360,  # steps = total_tokens // batch_tokens
+    batch_tokens=16 * 256,  # of a step over all GPUs, whatever their number
+    micro_batch=16,  # sequences per GPU per forward pass; accumulation makes up the rest
+    # AdamW
+    lr=3e-3,  # the backbone's peak rate
+    lr_input=None,  # x lr for LEV or the input table (None: LR_SCALES)
+    lr_head=None,  # x lr for the untied head (None: LR_SCALES)
+    warmup_steps=30,  # linear warmup, then cosine decay...
+    min_lr_frac=0.1,  # ...to min_lr_frac * lr at the last step
+    weight_decay=0.1,  # on the matrices only
+    beta1=0.9,
+    beta2=0.95,
+    grad_clip=1.0,  # on the gradients' global norm
+    seed=1337,  # the model's init and the data order
+    # evaluation, log, checkpoint: every *_interval steps and at the end
+    eval_interval=200,
+    eval_tokens=1 << 16,  # the first of the val split
+    log_interval=10,
+    ckpt_interval=200,
+    eval_only=False,  # evaluate out_dir/ckpt.pt
+    resume=False,  # continue from out_dir/ckpt.pt
+    stop_step=0,  # save and exit there, the schedule unchanged (0: never)
+    # the machine
+    device="auto",  # auto (cuda if there is a GPU) | cpu | cuda
+    compile=None,  # torch.compile (None: on CUDA only)
+    bf16=None,  # bf16 autocast, LEV and the softmax in float32 (None: on CUDA only)
+    bf16_allreduce=False,  # DDP's gradients in bf16, half the traffic (CUDA only)
+    backend="auto",  # DDP's: auto (nccl on CUDA, gloo on CPU) | nccl | gloo (ranks sharing a GPU)
+    deterministic=False,  # bit-identical reruns and resumes (CUDA: slower)
+    wandb_project="",  # log to Weights & Biases there
+)
+# The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative
+# GPT-3/Pythia rates (it publishes none; LEV's product spikes at too high a rate). Heads of 128 dims and the
+# depth that brings the *tied* model (embedding included, as the paper counts) closest to its size with
+# o200k_base: 203.2M, 397.6M, 1.219B.
+PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512,
+             micro_batch=16, warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
 SIZES = {  # each size: the options it sets over DEFAULTS
     "tiny": {},
     "200m": dict(PAPER, d_model=768, n_layer=7, n_head=6, total_tokens=4_200_000_000, lr=6e-4),
     "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
     "1.2b": dict(PAPER, d_model=2048, n_layer=16, n_head=16, total_tokens=24_100_000_000, lr=2e-4),
 }
-# (lr_input, lr_head) per size and arm, x lr (Model.configure_optimizers): the width sweep's best at D = 128, its
-# power laws above (experiments/study.md). Zero heads and the tied table want far more than lr, LEV a tenth.
+# (lr_input, lr_head) per size and arm, x lr (Model.configure_optimizers): the width sweep's best at
+# D = 128, its power laws above (experiments/study.md). Zero heads and the tied table want far more than
+# lr, LEV a tenth.
 LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)},
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
              "1.2b": {"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}}
 # The sizes' data folders: the command that makes each, and its tokenizer's ids (to check the shape early).
-DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192), "data/pile": ("python prepare_data.py", 200_019)}
-MODEL_FIELDS = [f.name for f in fields(Config) if f.name not in ("vocab_size", "embedding")]
+DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192),
+        "data/pile": ("python prepare_data.py", 200_019)}
 # On --resume these may change freely; every other option changes the loss curve and must match.
-RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval", "ckpt_interval",
-               "eval_only", "resume", "stop_step", "device", "compile", "bf16", "bf16_allreduce", "backend",
-               "deterministic", "wandb_project"}
+RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
+               "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16",
+               "bf16_allreduce", "backend", "deterministic", "wandb_project"}
 
 def parse_args(argv):
     """--name=value options -> {name: value} for the options given (--resume must know which)."""
-    parser = ArgumentParser("train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser("train.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sized = set().union(*SIZES.values())
+    kinds = {"lr_input": float, "lr_head": float, "compile": bool, "bf16": bool}  # their default is None
     for name, default in DEFAULTS.items():
-        kind = KINDS.get(name, type(default))
+        kind = kinds.get(name, type(default))
         how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
             type=parse_number(kind) if kind in (int, float) else str)
+        sized_note = "; other sizes set their own" if name in sized else ""
         parser.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(), **how,
-                            help=f"default {default!r}{'; other sizes set their own' if name in sized else ''}")
+                            help=f"default {default!r}{sized_note}")
     return vars(parser.parse_args(argv))
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def check(c):
     """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
-    v, choices = vars(c), dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"),
-                                backend=("auto", "nccl", "gloo"))
+    v = vars(c)
+    choices = dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"),
+                   backend=("auto", "nccl", "gloo"))
     positive = ("total_tokens", "batch_tokens", "micro_batch", "lr", "lr_input", "lr_head", "grad_clip",
                 "eval_interval", "eval_tokens", "log_interval", "ckpt_interval")
-    for bad, message in [
-            # every float is used in float32 (the rates, the rotary base): beyond its range it is inf or nan
-            *((not abs(x) <= FLOAT32_MAX, f"--{k}={x}: must be finite in float32 (<= {FLOAT32_MAX:.3g})")
-              for k, x in v.items() if isinstance(x, float)),
-            (not c.lr * max(c.lr_input, c.lr_head, 1) <= FLOAT32_MAX, f"--lr={c.lr} times --lr_input or --lr_head "
-                                                                      f"is beyond float32 ({FLOAT32_MAX:.3g})"),
-            *((v[k] not in kinds, f"--{k}={v[k]}: must be one of {', '.join(kinds)}") for k, kinds in choices.items()),
-            *((not 0 < v[k] < math.inf, f"--{k}={v[k]}: must be > 0") for k in positive),
-            *((not 0 <= v[k] < math.inf, f"--{k}={v[k]}: must be >= 0") for k in ("warmup_steps", "weight_decay",
-                                                                                  "stop_step")),
-            *((not 0 <= v[k] < 1, f"--{k}={v[k]}: must be in [0, 1) (a decay)") for k in ("beta1", "beta2")),
-            (c.total_tokens < c.batch_tokens, f"--total_tokens={c.total_tokens}: less than one step (--batch_tokens)"),
-            (not 0 <= c.seed < 2**63, f"--seed={c.seed}: must be in [0, 2**63)"),
-            (not 0 <= c.min_lr_frac <= 1, f"--min_lr_frac={c.min_lr_frac}: must be in [0, 1] (a fraction of --lr)"),
-            (c.embedding == "tied" and c.lr_head != 1.0,
-             "--lr_head: the tied arm has no separate head (its table is the head); use --lr_input"),
-            (c.wandb_project and not importlib.util.find_spec("wandb"),
-             "--wandb_project needs wandb: pip install wandb")]:
-        if bad:
-            raise UserError(message)
+    rules = [*((k, v[k] in kinds, f"one of {', '.join(kinds)}") for k, kinds in choices.items()),
+             *((k, 0 < v[k] < math.inf, "> 0") for k in positive),
+             *((k, 0 <= v[k] < math.inf, ">= 0") for k in ("warmup_steps", "weight_decay", "stop_step")),
+             *((k, 0 <= v[k] < 1, "in [0, 1) (a decay)") for k in ("beta1", "beta2")),
+             ("seed", 0 <= c.seed < 2**63, "in [0, 2**63)"),
+             ("min_lr_frac", 0 <= c.min_lr_frac <= 1, "in [0, 1] (a fraction of --lr)"),
+             ("total_tokens", c.total_tokens >= c.batch_tokens, "at least one step (--batch_tokens)"),
+             ("lr_head", c.embedding != "tied" or c.lr_head == 1.0,
+              "1 in the tied arm, whose table is the head; use --lr_input"),
+             ("wandb_project", not c.wandb_project or importlib.util.find_spec("wandb"),
+              "empty without wandb: pip install wandb")]
+    for name, good, rule in rules:
+        if not good:
+            raise UserError(f"--{name}={v[name]}: must be {rule}")
     return c
 
 def resolve(given, saved=None):
-    """The full config: the options given over the checkpoint's (resuming), else over the size's and DEFAULTS."""
+    """The full config: the options given over the checkpoint's (resuming), else over the size's and
+    DEFAULTS."""
     if saved is not None:
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:  # one left unset changes nothing
-            raise UserError(f"the checkpoint was trained with options this train.py lacks ({', '.join(unknown)}): "
-                            "resume it with the train.py that wrote it, or start a new run with another --out_dir")
-        return check(SimpleNamespace(**{**DEFAULTS, **{k: v for k, v in saved.items() if k in DEFAULTS}, **given}))
+        # an option this train.py lacks: one left unset changes nothing, one set would be silently dropped
+        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:
+            raise UserError(f"the checkpoint was trained with options this train.py lacks "
+                            f"({', '.join(unknown)}): resume it with the train.py that wrote it, or start a new "
+                            "run in another --out_dir")
+        known = {k: v for k, v in saved.items() if k in DEFAULTS}
+        return check(SimpleNamespace(**{**DEFAULTS, **known, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
-    lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check refuses it
-    config = check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
-                                      "out_dir": os.path.join("out", f"{size}-{arm}"), **given}))
-    if data := default_data(config.data_dir):
+    lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check() says
+    config = check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input,
+                                      "lr_head": lr_head, "out_dir": os.path.join("out", f"{size}-{arm}"),
+                                      **given}))
+    if data := DATA.get(os.path.normpath(config.data_dir)):
         model_config(config, data[1])  # the model's shape, before any data is read
     return config
 
-def default_data(data_dir):  # a size's own data folder: its DATA entry (None for another folder)
-    return DATA.get(os.path.normpath(data_dir).replace(os.sep, "/"))
-
 def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids ids
+    shape = {f.name: getattr(config, f.name) for f in fields(Config)
+             if f.name not in ("vocab_size", "embedding")}
     try:
-        return Config(vocab_size=padded_vocab(n_ids), embedding=config.embedding,
-                      **{k: getattr(config, k) for k in MODEL_FIELDS})
+        return Config(vocab_size=padded_vocab(n_ids), embedding=config.embedding, **shape)
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
 # ---------------------------------------------------------------------------- stop signals and output
 # SIGTERM: torchrun, Kubernetes and SLURM's end of job; SIGUSR1: SLURM's `--signal` warning before the time
 # limit; SIGHUP: the terminal closed. Each is a preemption: save and exit, with no evaluation in between.
-STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP") if hasattr(signal, name)]
-STOP = {"signal": None}  # (Windows has no SIGUSR1 or SIGHUP)
+STOP = {"signal": None}  # the first stop signal this rank received
 
 def on_signal(signum, frame):
     # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
@@ -181,42 +206,36 @@ def show(text):
             STOP["signal"] = STOP["signal"] or signal.SIGPIPE
 
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
-def launch_env():
-    """(rank, world size, local rank) from torchrun's variables; one process without them. Left over in a
-    shell, or set by a scheduler without torchrun, they are refused here, not inside the process group."""
-    given = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-             if k in os.environ}
-    try:
-        rank, world, local = (int(given.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    except ValueError:
-        rank, world, local = -1, 0, 0
-    if not (0 <= rank < world and 0 <= local < world) or (world > 1 and {"MASTER_ADDR", "MASTER_PORT"} - set(given)):
-        raise UserError(" ".join(f"{k}={v}" for k, v in given.items()) + " without torchrun's full set (RANK < "
-                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): unset them, or launch with torchrun (README)")
+def setup_device(config):
+    """(device, rank, world size): torchrun's rank, or one process without its variables; the process group
+    joined. Two mistakes would train silently wrong, not fail: RANK left over in a shell (a rank outside the
+    world writes nothing, as only rank 0 saves), and srun starting copies of train.py without torchrun (each
+    alone, into one out_dir)."""
+    rank, world, local = (int(os.environ.get(name, default))
+                          for name, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    if not 0 <= rank < world:
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}: left over from another launch? "
+                        "Unset it, or launch with torchrun (README)")
     # srun sets SLURM_STEP_NUM_TASKS in each task it starts; a batch script (one process) has SLURM_NTASKS
-    if (tasks := int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))) > 1 and "RANK" not in given:
+    if (tasks := int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))) > 1 and "RANK" not in os.environ:
         raise UserError(f"one of {tasks} tasks srun started, without torchrun: each would train alone into "
                         "the same out_dir; launch with `srun torchrun ... train.py` (README)")
-    return rank, world, local
-
-def setup_device(config):
-    rank, world, local = launch_env()
     kind = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
     if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP takes it in CUDA builds only
         raise UserError("--bf16_allreduce needs CUDA GPUs (torch's bf16 hook); leave it off here")
     backend = config.backend if config.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
-    if config.deterministic:  # cuBLAS repeats its reductions only with a fixed workspace, set before its first use
+    if config.deterministic:  # cuBLAS repeats its sums only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     # Ranks past the GPU count share GPUs: gloo allows it (the acceptance run puts 2 on one), NCCL refuses it
     device = torch.device(kind, local % torch.cuda.device_count() if kind == "cuda" else None)
-    if kind == "cuda":  # TF32 stays off: under autocast the only float32 matmuls left are LEV's, float32 on purpose
+    if kind == "cuda":  # TF32 off: under autocast the only float32 matmuls left are LEV's, float32 on purpose
         torch.cuda.set_device(device)
     else:
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
-    if world > 1 and not dist.is_initialized():  # 60 minutes: a slow filesystem may hold rank 0 long at a save
+    if world > 1 and not dist.is_initialized():  # 60 minutes: a slow disk may hold rank 0 long at a save
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60),
                                 device_id=device if backend == "nccl" else None)
     return device, rank, world
@@ -224,31 +243,19 @@ def setup_device(config):
 def open_data(data_dir):
     """meta.json, the shards of both splits (each read as used), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = (default_data(data_dir) or [None])[0]
+        command = DATA.get(os.path.normpath(data_dir), [None])[0]
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
             f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
     meta, splits = load_meta(data_dir), {}
     for split in ("train", "val"):
-        if not (paths := shard_paths(data_dir, split)):
-            raise UserError(f"{data_dir} has no {split} shards; run prepare_data.py again")
+        paths = shard_paths(data_dir, split)
         splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-        listed, tokens = meta.get("splits", {}).get(split, {}), sum(map(len, splits[split]))  # as prepare_data wrote
-        if listed and (listed.get("shards"), listed.get("tokens")) != (len(paths), tokens):
-            raise UserError(f"{data_dir} has {len(paths)} {split} shards of {tokens:,} tokens, meta.json lists "
-                            f"{listed.get('shards')} of {listed.get('tokens'):,}: a shard lost or added by hand; "
-                            "prepare the data again")
+        found, listed = (len(paths), sum(map(len, splits[split]))), meta.get("splits", {}).get(split, {})
+        # a shard lost in a copy would train on less data, silently: the count must be what prepare_data wrote
+        if not paths or listed and (listed.get("shards"), listed.get("tokens")) != found:
+            raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json lists "
+                            f"{listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
-
-def data_fingerprint(splits):
-    """{split: {shard: [tokens, crc32 of its first 4,096]}}, saved with the run: a resume on other data is refused."""
-    return {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
-                    for s in shards} for split, shards in splits.items()}
-
-def data_changes(there, here):
-    """What differs between two data_fingerprint()s, in words (a shard's name holds its split)."""
-    old, new = ({name: v for shards in d.values() for name, v in shards.items()} for d in (there, here))
-    return [f"{name} {'missing' if name not in new else 'added' if name not in old else 'holds other tokens'}"
-            for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
@@ -274,44 +281,30 @@ class Windows:
             shard = self.shard_order[k]
             self.window_order = np.random.default_rng([self.seed, epoch, shard]).permutation(self.sizes[shard])
         start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
-        return checked_window(self.shards[self.shard_order[k]], start, self.seq_len, self.vocab_size)
+        return self.checked(self.shards[self.shard_order[k]], start, self.seq_len, self.vocab_size)
 
-def val_windows(shards, seq_len, n, vocab_size):
-    """The first n windows of the validation split, in order: the same tokens at every evaluation."""
-    starts = [(s, i * seq_len) for s in shards for i in range((len(s) - 1) // seq_len)][:n]
-    return [checked_window(s, start, seq_len, vocab_size) for s, start in starts]
-
-def checked_window(shard, start, seq_len, vocab_size):
-    """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens under an
-    intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
-    window = shard[start:start + seq_len + 1]
-    if window.max() >= vocab_size:
-        at = start + int(np.argmax(window >= vocab_size))
-        raise UserError(f"{shard.filename}: token {at:,} is id {int(shard[at])}, beyond the vocabulary of "
-                        f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
-    return window
-
-def read_log(path):
-    """log.jsonl's records ([] if none); a last line cut by a kill is left out, any other damaged one refused."""
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")[:-1]  # what follows the last newline is a cut line, or nothing
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
-                and isinstance(record.get("step"), int)):
-            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
-        records.append(record)
-    return records
+    @staticmethod
+    def checked(shard, start, seq_len, vocab_size):
+        """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens under
+        an intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
+        window = shard[start:start + seq_len + 1]
+        if window.max() >= vocab_size:
+            at = start + int(np.argmax(window >= vocab_size))
+            raise UserError(f"{shard.filename}: token {at:,} is id {int(shard[at])}, beyond the vocabulary of "
+                            f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
+        return window
 
 def keep_log_until(path, step):
-    """A resume keeps the log up to its checkpoint (a killed run may have logged past it); step 0 starts afresh."""
-    records = [r for r in read_log(path) if r["step"] <= step] if step else []
+    """A resume keeps log.jsonl's records up to its checkpoint (a killed run may have logged past it); step 0
+    starts afresh. A log is diagnostics, not state: a line that is no record (cut by a kill, edited) is dropped."""
+    records = []
+    for line in open(path, encoding="utf-8", errors="replace") if step and os.path.exists(path) else []:
+        try:
+            record = json.loads(line)
+            if record["step"] <= step:
+                records.append(record)
+        except (ValueError, TypeError, KeyError):
+            pass
     atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
 
 def run_files(out_dir):
@@ -319,23 +312,6 @@ def run_files(out_dir):
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
     return sorted(n for n in names
                   if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
-
-def lock_run_folder(out_dir):
-    """One train.py per run folder: rank 0 locks it until the run ends (the kernel unlocks a dead process's).
-    None where there are no locks (Windows, some cluster filesystems): the folder goes unlocked."""
-    try:
-        import fcntl  # POSIX only
-    except ImportError:
-        return None
-    folder = os.open(out_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return folder
-    except OSError as e:
-        os.close(folder)
-        if isinstance(e, BlockingIOError):
-            raise UserError(f"another train.py is running in {out_dir}: let it finish (or stop it), or choose "
-                            "another --out_dir") from None
 
 def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
     """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is read.
@@ -350,11 +326,6 @@ def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
         raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing)})")
     return ckpt
 
-def precision(device, bf16=None):
-    """bf16 autocast on a GPU (LEV and softmax stay float32), float32 on a CPU, as train.py trains; bf16 overrides."""
-    on = torch.device(device).type == "cuda" if bf16 is None else bf16
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else nullcontext()
-
 def check_fit(ckpt, path, config, model_cfg, meta, data):
     """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data;
     a checkpoint of an older train.py has no fingerprint)."""
@@ -367,7 +338,11 @@ def check_fit(ckpt, path, config, model_cfg, meta, data):
     if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
         raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}) than "
                         f"{config.data_dir} ({meta['tokenizer']})")
-    if config.resume and "data" in ckpt and (changes := data_changes(ckpt["data"], data)):
+    if not (config.resume and "data" in ckpt):
+        return
+    old, new = ({name: v for shards in d.values() for name, v in shards.items()} for d in (ckpt["data"], data))
+    if changes := [f"{name} {'missing' if name not in new else 'added' if name not in old else 'holds other tokens'}"
+                   for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]:
         raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
                         "resume on the data it was trained on, or start a new run with another --out_dir")
 
@@ -388,39 +363,32 @@ def open_run(argv):
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
-    model_cfg, data = model_config(config, meta["vocab_size"]), data_fingerprint(splits)
+    model_cfg = model_config(config, meta["vocab_size"])
+    # What the run trains on, saved with it for a resume to compare: each shard's length and crc32 of its start
+    data = {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
+                    for s in shards} for split, shards in splits.items()}
     if ckpt is not None:
         check_fit(ckpt, path, config, model_cfg, meta, data)
-    if config.resume:  # the log it continues: damaged, refused before anything is written
-        read_log(os.path.join(config.out_dir, "log.jsonl"))
     per_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_step:
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
                         f"{config.micro_batch} x seq_len {config.seq_len} = {per_step:,}; use a multiple of it")
-    train = Windows(splits["train"], config.seq_len, config.seed, meta["vocab_size"])
-    val = val_windows(splits["val"], config.seq_len, max(1, config.eval_tokens // config.seq_len), meta["vocab_size"])
+    seq_len, n_val = config.seq_len, max(1, config.eval_tokens // config.seq_len)
+    train = Windows(splits["train"], seq_len, config.seed, meta["vocab_size"])
+    # the validation windows: the first n_val of the val split, in order, the same tokens at every evaluation
+    starts = [(s, i * seq_len) for s in splits["val"] for i in range((len(s) - 1) // seq_len)][:n_val]
+    val = [Windows.checked(s, start, seq_len, meta["vocab_size"]) for s, start in starts]
     if train.total == 0 or not val:
         raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
-    lock = None
-    if rank == 0:  # the last checks: the run folder is made only once everything else is right
-        try:
-            os.makedirs(config.out_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out_dir={config.out_dir}: cannot create it ({e.strerror})") from None
-        lock = lock_run_folder(config.out_dir)
+    if rank == 0:  # the last step: the run folder is made only once everything else is right
+        os.makedirs(config.out_dir, exist_ok=True)
     # counts: each id's count in the train split (the frequency buckets); byte_lengths: UTF-8 bytes per id (bits
     # per byte); accum: micro-steps per step on each rank; data: what the run trains on, saved with it.
     return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
-                           byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt, lock=lock,
+                           byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt,
                            device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
                            max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev",
                            wandb=None, data=data)
-
-DDP = torch.nn.parallel.DistributedDataParallel
-# The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step.
-# (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers.)
-NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                  else {"broadcast_buffers": False})
 
 def build(run):
     """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
@@ -439,37 +407,21 @@ def build(run):
     if run.compiled:
         run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
     run.model = run.raw_model
-    if run.world > 1:  # gradient_as_bucket_view: the gradients are DDP's buckets, not a second copy
-        run.model = DDP(run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True,
-                        **NO_BUFFER_SYNC)
+    if run.world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel
+        # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step
+        # (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers).
+        no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters \
+            else "broadcast_buffers"
+        # gradient_as_bucket_view: the gradients are DDP's buckets, not a second copy
+        run.model = ddp(run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True,
+                        **{no_buffer_sync: False})
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_compress_hook)
 
-def failed_rank(error):
-    """The lowest rank whose set-up failed (a file missing on one node), or None: all ranks learn of
-    it here instead of waiting for it in the next collective."""
-    if not dist.is_initialized():
-        return 0 if error is not None else None  # every rank fails alike before the process group
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    lowest = torch.tensor(dist.get_rank() if error is not None else dist.get_world_size(), device=device)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    return None if lowest.item() == dist.get_world_size() else int(lowest.item())
-
 def set_up(argv):
-    """The run, built, its config printed and written; None if set-up failed on any rank (one error line)."""
-    run, error = None, None
-    try:
-        run = open_run(argv)
-    except UserError as e:
-        error = e
-    if (lowest := failed_rank(error)) is not None:
-        try:  # before the process group: torchrun's rank (0 where launch_env refuses its variables)
-            rank = dist.get_rank() if dist.is_initialized() else launch_env()[0]
-        except UserError:
-            rank = 0
-        if rank == lowest:
-            print_error(error)
-        return None
+    """The run, built, its config printed and written."""
+    run = open_run(argv)
     build(run)
     config, params = run.config, run.raw_model.param_counts()
     outputs = dict(train=vars(config), model=asdict(run.model_config))
@@ -551,6 +503,14 @@ def log_record(run, record):
     if run.wandb:
         run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
+def peak_flops(device_name):
+    """Peak dense bf16 FLOP/s of one GPU (vendors' data sheets): the first entry made of whole words of the name
+    (a variant before its plain name; a GB200 is no B200). None where unknown: no MFU rather than a wrong one."""
+    peaks = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
+             "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+    words = set(re.split(r"[\s\-_]+", device_name.upper()))
+    return next((flops for name, flops in peaks.items() if set(name.upper().split()) <= words), None)
+
 def log_step(run, loss, grad_norm, seconds, steps_done):
     step, config = run.step, run.config
     tokens_per_s, eta = steps_done * config.batch_tokens / seconds, (run.max_steps - step) * seconds / steps_done
@@ -563,6 +523,10 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
         record.update(peak_mem_gb=torch.cuda.max_memory_allocated(run.device) / 1e9,
                       peak_reserved_gb=torch.cuda.max_memory_reserved(run.device) / 1e9)
         line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
+    if peak := peak_flops(torch.cuda.get_device_name(run.device)) if run.device.type == "cuda" else None:
+        # model FLOPs utilisation of each GPU: the model's training FLOPs over the GPU's peak
+        record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
+        line += f" | MFU {record['mfu']:.1%}"
     show(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
     log_record(run, record)
 
@@ -582,9 +546,9 @@ def bucket_table(nats, tokens):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss, perplexity, bits per byte and the frequency table over the validation windows: each rank takes every
-    world_size-th, one all_reduce adds the sums. It runs raw_model: DDP's forward syncs buffers, a collective that
-    a rank with fewer windows would miss."""
+    """Loss, perplexity, bits per byte and the frequency table over the validation windows, reported by rank 0:
+    each rank takes every world_size-th, one all_reduce adds the sums. It runs raw_model: DDP's forward syncs
+    buffers, a collective that a rank with fewer windows would miss."""
     model, micro_batch = run.raw_model, run.config.micro_batch
     n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # count 0, then the decades the largest count needs
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
@@ -604,13 +568,10 @@ def evaluate(run):
         dist.all_reduce(sums)
     nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
     loss = nats.sum() / tokens.sum()
-    return dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
-                eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
-
-def report_eval(run, result):
-    """Rank 0: print the result, write eval_step<N>.json and log it."""
-    if run.rank != 0:
-        return
+    result = dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
+                  eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
+    if run.rank != 0:  # rank 0 prints it, writes eval_step<N>.json and logs it
+        return result
     show(f"eval step {run.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens\n"
          f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
@@ -620,6 +581,7 @@ def report_eval(run, result):
     record = dict(step=run.step, tokens_seen=run.step * run.config.batch_tokens, **result)
     write_json(os.path.join(run.config.out_dir, f"eval_step{run.step}.json"), record)
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
+    return result
 
 # ---------------------------------------------------------------------------- checkpoints
 # ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens // seq_len
@@ -646,31 +608,37 @@ def checkpoint(run):
     if run.rank == 0:
         show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
 
-def shut_down(code):
-    """Leave the process group once every rank is done (rank 0's checkpoint written); returns code."""
+def shut_down(code, together=True):
+    """Leave the process group, once every rank is done if together (rank 0's checkpoint written); returns code.
+    A rank alone (its set-up failed) cannot tear the group down, and gloo's teardown can deadlock on the GIL
+    (pytorch#56297): both exit at once, everything written flushed."""
     if dist.is_initialized():
-        dist.barrier()
-        if dist.get_backend() == "gloo":  # gloo's teardown can deadlock on the GIL (pytorch#56297): skip it
+        if together:
+            dist.barrier()
+        if dist.get_backend() == "gloo" or not together:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(code)  # everything this rank wrote is already flushed
+            os._exit(code)
         dist.destroy_process_group()
     return code
 
 # ---------------------------------------------------------------------------- main: set-up, the loop, shut-down
 def main(argv):
-    run = set_up(argv)
-    if run is None:
-        return shut_down(1)
+    try:
+        run = set_up(argv)
+    except UserError as e:  # on this rank (a file missing on one node, say): torchrun stops the others, naming it
+        print_error(e)
+        return shut_down(1, together=False)
     config, code = run.config, 0
     try:
         if config.eval_only:
-            report_eval(run, evaluate(run))
+            evaluate(run)
         elif run.step >= run.max_steps:
             show(f"the run is complete ({run.step} steps); nothing to do")
         else:
-            for signum in STOP_SIGNALS:  # one ignored from the start stays so (nohup's SIGHUP)
-                if signal.getsignal(signum) is not signal.SIG_IGN:
+            for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP"):  # (Windows has no SIGUSR1 or SIGHUP)
+                signum = getattr(signal, name, None)
+                if signum and signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
                     signal.signal(signum, on_signal)
             seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
             while run.step < run.max_steps:
@@ -685,7 +653,7 @@ def main(argv):
                 if run.step % config.ckpt_interval == 0 or last or stop:
                     checkpoint(run)
                 if (run.step % config.eval_interval == 0 or last) and not preempted:  # preempted: just save
-                    report_eval(run, evaluate(run))
+                    evaluate(run)
                 if stop:
                     why = signal.Signals(preempted).name if preempted else f"--stop_step={config.stop_step}"
                     if run.rank == 0:
@@ -701,9 +669,6 @@ def main(argv):
         if run.rank == 0:
             print_error(e)
         code = 1
-    finally:
-        if run.lock is not None:
-            os.close(run.lock)  # the folder is free for the next run
     return shut_down(code)
 
 if __name__ == "__main__":

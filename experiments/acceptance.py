@@ -46,10 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from experiments import runs
-from experiments.bench import MEMORY_ESTIMATE_GB, PREPARE_DATA, parameter_count, peak_flops, size_model
+from experiments.bench import MEMORY_ESTIMATE_GB, PREPARE_DATA, parameter_count, size_model
 from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, padded_vocab
 from prepare_data import UserError, load_meta, write_json
-from train import Windows, accumulate_gradients, open_data, precision, resolve
+from train import Windows, accumulate_gradients, open_data, peak_flops, precision, resolve
 
 BUDGET_S = 8 * 60  # the whole run, verdict included (a lent GPU comes with ~15 minutes, start-up included)
 CLOSING_S = 20  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict

@@ -396,18 +396,6 @@ def error_line(output):
 
 
 
-# Peak dense bf16 FLOP/s per GPU (vendors' data sheets), for MFU; a variant before the plain name.
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
-              "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-
-
-def peak_flops(device_name):
-    """The first PEAK_FLOPS entry made of whole words of the name (a GB200 is no B200); None: no MFU, not a wrong one."""
-    words = set(re.split(r"[\s\-_]+", device_name.upper()))
-    return next((flops for key, flops in PEAK_FLOPS.items() if set(key.upper().split()) <= words), None)
-
-
-
 def bench_gpu(args, device):
     """The GPU acceptance run (experiments/acceptance.py, which imports this file); its exit status."""
     from experiments import acceptance

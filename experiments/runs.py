@@ -7,6 +7,7 @@ at a deadline, on Ctrl-C or on a SIGTERM to its caller gets SIGTERM unless the c
 checkpoint and exits, and `--resume` continues it.
 """
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -15,15 +16,31 @@ import sys
 import time
 
 from prepare_data import UserError, read_json
-from train import read_log, run_files
+from train import run_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
 
 
 def log_records(run_dir, kind):
-    """The records of one type ("train" or "eval") in a run's log.jsonl (train.read_log), in order."""
-    return [r for r in read_log(os.path.join(run_dir, "log.jsonl")) if r["type"] == kind]
+    """The records of one type ("train" or "eval") in a run's log.jsonl, in order; [] if it has none. A last
+    line cut by a kill is left out; any other damaged one is refused, as the tables read from it would be wrong."""
+    path = os.path.join(run_dir, "log.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")[:-1]  # what follows the last newline is a cut line, or nothing
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not (isinstance(record, dict) and record.get("type") in ("train", "eval")
+                and isinstance(record.get("step"), int)):
+            raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
+        records.append(record)
+    return [r for r in records if r["type"] == kind]
 
 
 def finished(run_dir):
