@@ -25,10 +25,12 @@ def test_the_top_level_is_the_four_scripts_and_their_tests():
 
 
 def test_import_rules():
-    """leviathan.py imports nothing local; prepare_data.py imports no other script; the scripts never
-    import the research folder (it may import them)."""
+    """leviathan.py imports nothing local; prepare_data.py imports no other script; training reads three
+    files (train.py, leviathan.py, prepare_data.py), never sample.py; the scripts never import the research
+    folder (it may import them)."""
     assert local_imports("leviathan.py") == set()
     assert local_imports("prepare_data.py") == set()
+    assert local_imports("train.py") == {"leviathan", "prepare_data"}
     for script in SCRIPTS:
         assert "experiments" not in local_imports(script), script
 
