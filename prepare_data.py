@@ -4,7 +4,8 @@
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
 
-Top to bottom: the command line every script shares, the shard format, the tokenizer, the corpora, the pipeline.
+Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
+every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
 import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, socket, sys
 import sysconfig, tempfile, time, urllib.parse
@@ -13,99 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken  # no torch in this file: the other scripts import it before their slow torch import
-
-# ---------------------------------------------------------------------------- the command line, in every script
-class UserError(Exception):
-    """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
-
-def print_error(e):
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, however many the message has
-
-def _interrupted(signum, frame):
-    print("\ninterrupted", file=sys.stderr)
-    raise SystemExit(130)
-
-def quiet_interrupt():
-    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130.
-    A SIGINT ignored from the start (a shell script's background job) stays ignored, as Python leaves it."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, _interrupted)
-
-def run_main(command, argv=None, kept=""):
-    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
-    one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
-    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises again
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        status = command(argv)
-    except UserError as e:
-        print_error(e)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted" + kept, file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
-        return 0
-    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
-        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
-        return 1
-    return 0 if status is None else status
-
-def parse_bool(text):
-    """The true/false rule of every option: --name=true or --name=false (also 1/0, yes/no, on/off)."""
-    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("1", "true", "yes", "on")
-
-def parse_number(kind):
-    """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
-    def parse(text):
-        digits = text.replace("_", "")
-        try:
-            number = int(digits) if kind is int and digits.lstrip("+-").isdigit() else float(digits)
-            if kind is int and number != int(number):
-                raise ValueError
-            return kind(number)
-        except (ValueError, OverflowError):  # OverflowError: int('inf')
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-    return parse
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a mistake raised as a UserError (one line), not usage text and exit 2."""
-    def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
-        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
-    def error(self, message):
-        raise UserError(f"{message} (see python {self.prog} --help)")
-
-def atomic_write(path, write, mode="wb"):
-    """write(file) into PATH.tmp, then rename it over PATH: a kill or a full disk leaves the old or the new file."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError) and e.filename == tmp:
-            e.filename = path  # the path the user gave, not its hidden temporary
-        raise
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    os.fsync(folder)  # makes the rename itself durable
-    os.close(folder)
-
-def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
-
-def read_json(path, fix):
-    """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-        raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 # ---------------------------------------------------------------------------- token shards
 # The one place the format is defined. Each split of a data folder is a series of files <split>_NNNNNN.bin
@@ -579,6 +487,99 @@ def main(argv=None):
         splits = prepare(argv)["splits"]
         print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
     return run_main(command, argv, kept="; complete shards are kept: the same command resumes")
+
+# ---------------------------------------------------------------------------- the command line, in every script
+class UserError(Exception):
+    """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
+
+def print_error(e):
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, however many the message has
+
+def _interrupted(signum, frame):
+    print("\ninterrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+def quiet_interrupt():
+    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130.
+    A SIGINT ignored from the start (a shell script's background job) stays ignored, as Python leaves it."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _interrupted)
+
+def run_main(command, argv=None, kept=""):
+    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
+    one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
+    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status = command(argv)
+    except UserError as e:
+        print_error(e)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted" + kept, file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
+        return 0
+    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
+        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
+        return 1
+    return 0 if status is None else status
+
+def parse_bool(text):
+    """The true/false rule of every option: --name=true or --name=false (also 1/0, yes/no, on/off)."""
+    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes", "on")
+
+def parse_number(kind):
+    """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
+    def parse(text):
+        digits = text.replace("_", "")
+        try:
+            number = int(digits) if kind is int and digits.lstrip("+-").isdigit() else float(digits)
+            if kind is int and number != int(number):
+                raise ValueError
+            return kind(number)
+        except (ValueError, OverflowError):  # OverflowError: int('inf')
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+    return parse
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a mistake raised as a UserError (one line), not usage text and exit 2."""
+    def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
+        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
+    def error(self, message):
+        raise UserError(f"{message} (see python {self.prog} --help)")
+
+def atomic_write(path, write, mode="wb"):
+    """write(file) into PATH.tmp, then rename it over PATH: a kill or a full disk leaves the old or the new file."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.filename == tmp:
+            e.filename = path  # the path the user gave, not its hidden temporary
+        raise
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    os.fsync(folder)  # makes the rename itself durable
+    os.close(folder)
+
+def write_json(path, obj):
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
+
+def read_json(path, fix):
+    """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 if __name__ == "__main__":
     sys.exit(main())
