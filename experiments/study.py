@@ -179,14 +179,15 @@ def split_val(val, eot_id):
 
 
 def prepare_one(source):
-    """data/<name>-tune and data/<name>-final: links to the source's training shards and
-    counts.npy, and one half of its validation split each."""
+    """data/<name>-tune and data/<name>-final: links to the source's training shards, counts.npy and
+    token_bytes.npy, and one half of its validation split each."""
     meta = load_meta(source)
     val = np.concatenate([read_shard(p) for p in shard_paths(source, "val")])
     for half, tokens in zip(("tune", "final"), split_val(val, meta["eot_id"])):
         target = f"{source}-{half}"
         os.makedirs(target, exist_ok=True)
-        for path in shard_paths(source, "train") + [os.path.join(source, "counts.npy")]:
+        sidecars = [os.path.join(source, name) for name in ("counts.npy", "token_bytes.npy")]
+        for path in shard_paths(source, "train") + sidecars:
             link = os.path.join(target, os.path.basename(path))
             if not os.path.lexists(link):
                 os.symlink(os.path.relpath(path, target), link)

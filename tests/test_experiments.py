@@ -445,11 +445,12 @@ def test_compare_without_lm_eval_says_so_before_training(monkeypatch, tmp_path, 
 
 
 def make_data_folder(path, val, vocab_size=512, eot_id=511):
-    """The smallest folder train.py and study.prepare_one accept: shards, counts, meta.json."""
+    """The smallest folder train.py and study.prepare_one accept: shards, counts, token bytes, meta.json."""
     path.mkdir()
     prep.write_shard(path / "train_000000.bin", np.arange(1000) % vocab_size, vocab_size)
     prep.write_shard(path / "val_000000.bin", val, vocab_size)
     np.save(path / "counts.npy", np.bincount(np.arange(1000) % vocab_size, minlength=vocab_size))
+    np.save(path / "token_bytes.npy", np.ones(vocab_size, dtype=np.int32))
     json.dump(dict(tokenizer="o200k_base", tokenizer_vocab_size=vocab_size, vocab_size=vocab_size, eot_id=eot_id,
                    splits=dict(val=dict(tokens=len(val)))), open(path / "meta.json", "w"))
 
