@@ -39,7 +39,8 @@ def bspline_basis(t, knots):
     (R) Normalised to a partition of unity: at the two end knots a neighbour falls outside
     [0, 1], and the raw sum would dip to 0.875 there."""
     x = t.unsqueeze(-1) * (knots - 1) - torch.arange(knots, device=t.device)  # (t - g_m)(kappa - 1)
-    beta = torch.where(x.abs() < 0.5, 0.75 - x**2, torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
+    beta = torch.where(x.abs() < 0.5, 0.75 - x**2,
+                       torch.where(x.abs() < 1.5, 0.5 * (1.5 - x.abs()) ** 2, 0.0))
     return beta / beta.sum(-1, keepdim=True)
 
 class LEV(nn.Module):
@@ -48,7 +49,8 @@ class LEV(nn.Module):
       -> M_l = prod_d phi_d (element-wise in r) -> E_i = sum_l W_out_l M_l.
     generate_reference is these equations written out; generate, the same on the fast path."""
 
-    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64, sigmoid_scale=0.5):
+    def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64,
+                 sigmoid_scale=0.5):
         super().__init__()
         self.vocab_size, self.d_model = vocab_size, d_model
         self.digits, self.knots, self.sigmoid_scale = digits, knots, sigmoid_scale
@@ -147,7 +149,7 @@ class Config:
     lev_heads: int = 8  # h
     lev_knots: int = 16  # kappa
     lev_rank: int = 64  # r
-    lev_sigmoid_scale: float = 0.5  # 3b: t = sigmoid(scale * LayerNorm_l(W_l z)); (R) 1/2, see LEV.coordinates
+    lev_sigmoid_scale: float = 0.5  # 3b: t = sigmoid(scale * LayerNorm_l(W_l z)); (R) 1/2 (LEV.coordinates)
     def __post_init__(self):
         """Refuse shapes that would crash later or train something that is not the method."""
         def check(ok, name, rule):
@@ -155,7 +157,7 @@ class Config:
                 raise ValueError(f"{name}={getattr(self, name)}: {rule}")
         if self.embedding not in EMBEDDINGS:
             raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
-        # LayerNorm needs 2 coordinates of z; the quadratic B-spline spans 3 knots (else every id embeds alike)
+        # LayerNorm needs 2 coordinates of z; a quadratic B-spline spans 3 knots (else every id embeds alike)
         for name, least in dict(vocab_size=2, d_model=2, n_layer=1, n_head=1, seq_len=1, lev_digits=1,
                                 lev_seed_dim=2, lev_heads=1, lev_knots=3, lev_rank=1).items():
             value = getattr(self, name)
@@ -167,7 +169,7 @@ class Config:
         check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
               "even-sized heads (rotary embeddings rotate pairs of dimensions)")
         V = self.vocab_size
-        most = max(k for k in range(1, self.lev_digits + 1) if lev_base(V, k) ** (k - 1) < V)  # more: a leading 0
+        most = max(k for k in range(1, self.lev_digits + 1) if lev_base(V, k) ** (k - 1) < V)
         check(most == self.lev_digits, "lev_digits", f"{V:,} ids have at most {most} digits "
               "(the leading ones would be 0 for every id)")
     @property
@@ -179,7 +181,7 @@ def padded_vocab(n_ids):
     """The id count rounded up to a multiple of 128 (tensor cores); padding ids are never sampled."""
     return -(-n_ids // 128) * 128
 
-# ---------------------------------------------------------------------------- the backbone: LLaMA-style, no biases
+# ----------------------------------------------------------------------- the backbone: LLaMA-style, no biases
 
 class RMSNorm(nn.Module):
     def __init__(self, dim):
@@ -251,7 +253,7 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
 
-# ---------------------------------------------------------------------------- the model: embedding -> blocks -> head
+# --------------------------------------------------------------------- the model: embedding -> blocks -> head
 
 class Model(nn.Module):
     def __init__(self, cfg):
@@ -282,7 +284,8 @@ class Model(nn.Module):
         for name, p in self.named_parameters():
             if name.startswith("lev.") or p.dim() < 2:
                 continue  # LEV inits itself; norm weights stay at 1
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+            residual_out = name.endswith(("proj.weight", "down.weight"))
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual_out else 0.02
             nn.init.normal_(p, std=std)
         if self.cfg.embedding != "tied":
             nn.init.zeros_(self.head.weight)
@@ -316,8 +319,8 @@ class Model(nn.Module):
 
     def new_cache(self, batch):
         p = self.head.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len, self.cfg.d_model // self.cfg.n_head,
-                       p.device, p.dtype)
+        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len,
+                       self.cfg.d_model // self.cfg.n_head, p.device, p.dtype)
 
     def compile(self, dynamic=None, **options):
         """torch.compile in place (same state_dict keys): "What torch.compile sees", the appendix."""
@@ -348,7 +351,8 @@ class Model(nn.Module):
         matmul_params = counts["backbone"] + self.head.weight.numel()
         return 6 * matmul_params + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.seq_len
 
-    def configure_optimizers(self, lr, weight_decay, betas=(0.9, 0.95), fused=False, lr_input=1.0, lr_head=1.0):
+    def configure_optimizers(self, lr, weight_decay, betas=(0.9, 0.95), fused=False,
+                             lr_input=1.0, lr_head=1.0):
         """AdamW; the training loop multiplies each group's `lr_scale` into the scheduled rate.
         - backbone: matrices decayed, norm weights (scales) not; lr_scale 1.
         - input side (LEV or the untied table): lr_scale lr_input, no decay. LEV's output is a product
@@ -408,7 +412,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=
     1 to seq_len of them). It ends early when stop_id is sampled (stop_id is not yielded)."""
     if not 1 <= len(prompt_ids) <= model.cfg.seq_len:
         raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, got {len(prompt_ids)}")
-    return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid)
+    return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator,
+                     stop_id, n_valid)
 
 def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
     device, seq_len = model.head.weight.device, model.cfg.seq_len
@@ -549,11 +554,12 @@ class SeparableProduct(torch.autograd.Function):
         bspline, _, gradients = kernels_for(t, spline)
         index, values, slopes = bspline(t, spline.shape[2])
         for d in seed_chunks(t, spline.shape[-1]):
-            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d], grad_times_modes)
+            q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d],
+                                            grad_times_modes)
             grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
         return grad_t, grad_spline
 
-separable_modes = torch.compiler.disable(SeparableProduct.apply)  # out of every graph: "What torch.compile sees"
+separable_modes = torch.compiler.disable(SeparableProduct.apply)  # never traced: "What torch.compile sees"
 
 # ---------------------------------------------------------------------------- the loss, chunked
 # Whole, logits, log-softmax and gradient are three float32 [N, V]: ~20 GB for 8,192 tokens at
@@ -639,7 +645,8 @@ def softmax_step(logits, targets, n):
 
 # A custom operator, so torch.compile sees the loss as one opaque call: traced, its loop would be
 # unrolled, and inductor would keep a [V, D] partial of dL/dW alive per chunk (~0.8 GB at 1.2b).
-chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss, mutates_args=())
+chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss,
+                                                mutates_args=())
 
 @chunked_cross_entropy.register_fake
 def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the compiler
@@ -671,8 +678,9 @@ FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits
 # Failures of compiling itself, by name (an older torch lacks some). What a compiled kernel raises
 # as it runs (out of memory, a bad index) is a fault to see, not caught.
 COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
-                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported", "InternalTorchDynamoError",
-                          "FailOnRecompileLimitHit") if hasattr(torch._dynamo.exc, name))
+                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported",
+                          "InternalTorchDynamoError", "FailOnRecompileLimitHit")
+                         if hasattr(torch._dynamo.exc, name))
 
 class Fused:
     """fn compiled into fused kernels (C++ on a CPU, Triton on a GPU); where compiling fails (no C++

@@ -87,9 +87,8 @@ SIZES = {  # each size: the options it sets over DEFAULTS
     "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
     "1.2b": dict(PAPER, d_model=2048, n_layer=16, n_head=16, total_tokens=24_100_000_000, lr=2e-4),
 }
-# (lr_input, lr_head) per size and arm, x lr (Model.configure_optimizers): the width sweep's best at
-# D = 128, its power laws above (experiments/study.md). Zero heads and the tied table want far more than
-# lr, LEV a tenth.
+# (lr_input, lr_head) per size and arm, x lr (Model.configure_optimizers): the width sweep's best at D = 128,
+# its power laws above (experiments/study.md). Zero heads and the tied table want far more, LEV a tenth.
 LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)},
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
@@ -141,8 +140,7 @@ def check(c):
     return c
 
 def resolve(given, saved=None):
-    """The full config: the options given over the checkpoint's (resuming), else over the size's and
-    DEFAULTS."""
+    """The config: the options given over the checkpoint's (resuming), else over the size's and DEFAULTS."""
     if saved is not None:
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
@@ -150,8 +148,8 @@ def resolve(given, saved=None):
         # an option this train.py lacks: one left unset changes nothing, one set would be silently dropped
         if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:
             raise UserError(f"the checkpoint was trained with options this train.py lacks "
-                            f"({', '.join(unknown)}): resume it with the train.py that wrote it, or start a new "
-                            "run in another --out_dir")
+                            f"({', '.join(unknown)}): resume it with the train.py that wrote it, or start a "
+                            "new run in another --out_dir")
         known = {k: v for k, v in saved.items() if k in DEFAULTS}
         return check(SimpleNamespace(**{**DEFAULTS, **known, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
@@ -244,8 +242,9 @@ def open_data(data_dir):
     """meta.json, the shards of both splits (each read as used), and the training token counts."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = DATA.get(os.path.normpath(data_dir), [None])[0]
-        raise UserError(f"no prepared data in {data_dir} (meta.json missing): " + (
-            f"run `{command}` first" if command else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote"))
+        hint = (f"run `{command}` first" if command
+                else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote")
+        raise UserError(f"no prepared data in {data_dir} (meta.json missing): {hint}")
     meta, splits = load_meta(data_dir), {}
     for split in ("train", "val"):
         paths = shard_paths(data_dir, split)
@@ -253,8 +252,8 @@ def open_data(data_dir):
         found, listed = (len(paths), sum(map(len, splits[split]))), meta.get("splits", {}).get(split, {})
         # a shard lost in a copy would train on less data, silently: the count must be what prepare_data wrote
         if not paths or listed and (listed.get("shards"), listed.get("tokens")) != found:
-            raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json lists "
-                            f"{listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
+            raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json "
+                            f"lists {listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
     return meta, splits, load_counts(data_dir, meta["vocab_size"])
 
 class Windows:
@@ -279,24 +278,26 @@ class Windows:
         if self.shard != k:
             self.shard = k
             shard = self.shard_order[k]
-            self.window_order = np.random.default_rng([self.seed, epoch, shard]).permutation(self.sizes[shard])
+            rng = np.random.default_rng([self.seed, epoch, shard])
+            self.window_order = rng.permutation(self.sizes[shard])
         start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
         return self.checked(self.shards[self.shard_order[k]], start, self.seq_len, self.vocab_size)
 
     @staticmethod
     def checked(shard, start, seq_len, vocab_size):
-        """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens under
-        an intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
+        """shard[start:start + seq_len + 1], refused if it holds an id past the vocabulary (damaged tokens,
+        intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
         window = shard[start:start + seq_len + 1]
         if window.max() >= vocab_size:
             at = start + int(np.argmax(window >= vocab_size))
-            raise UserError(f"{shard.filename}: token {at:,} is id {int(shard[at])}, beyond the vocabulary of "
-                            f"{vocab_size:,} (damaged contents under an intact header); prepare the data again")
+            raise UserError(f"{shard.filename}: token {at:,} is id {int(shard[at])}, "
+                            f"beyond the vocabulary of {vocab_size:,} "
+                            "(damaged contents under an intact header); prepare the data again")
         return window
 
 def keep_log_until(path, step):
-    """A resume keeps log.jsonl's records up to its checkpoint (a killed run may have logged past it); step 0
-    starts afresh. A log is diagnostics, not state: a line that is no record (cut by a kill, edited) is dropped."""
+    """A resume keeps log.jsonl's records up to its checkpoint (a killed run may log past it); step 0 starts
+    afresh. A log is diagnostics, not state: a line that is no record (cut by a kill, edited) is dropped."""
     records = []
     for line in open(path, encoding="utf-8", errors="replace") if step and os.path.exists(path) else []:
         try:
@@ -314,21 +315,21 @@ def run_files(out_dir):
                   if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
 
 def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
-    """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is read.
-    Anything else (a save cut short, another file) is one error line."""
+    """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is
+    read. Anything else (a save cut short, another file) is one error line."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         missing = [key for key in keys if key not in ckpt]
     except Exception as e:  # not torch.save's format, a damaged zip, pickled objects, not a dict
-        raise UserError(f"{path} is not a readable train.py checkpoint (torch.load: {type(e).__name__}): a save "
-                        "cut short, or another file; train again") from None
+        raise UserError(f"{path} is not a readable train.py checkpoint (torch.load: {type(e).__name__}): "
+                        "a save cut short, or another file; train again") from None
     if missing:
         raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing)})")
     return ckpt
 
 def check_fit(ckpt, path, config, model_cfg, meta, data):
-    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other data;
-    a checkpoint of an older train.py has no fingerprint)."""
+    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other
+    data; a checkpoint of an older train.py has no fingerprint)."""
     there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
     if there != here:
         diff = ", ".join(f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
@@ -340,11 +341,13 @@ def check_fit(ckpt, path, config, model_cfg, meta, data):
                         f"{config.data_dir} ({meta['tokenizer']})")
     if not (config.resume and "data" in ckpt):
         return
-    old, new = ({name: v for shards in d.values() for name, v in shards.items()} for d in (ckpt["data"], data))
-    if changes := [f"{name} {'missing' if name not in new else 'added' if name not in old else 'holds other tokens'}"
+    old, new = ({name: v for shards in d.values() for name, v in shards.items()}
+                for d in (ckpt["data"], data))
+    if changes := [f"{name} " + ("missing" if name not in new else "added" if name not in old
+                                 else "holds other tokens")
                    for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]:
-        raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)}): "
-                        "resume on the data it was trained on, or start a new run with another --out_dir")
+        raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)})"
+                        ": resume on the data it was trained on, or start a new run with another --out_dir")
 
 def open_run(argv):
     """Every check that can refuse the run, in order, before anything is written; then the run's state."""
@@ -355,8 +358,8 @@ def open_run(argv):
         flag = "resume" if config.resume else "eval_only"
         raise UserError(f"no checkpoint {path}; train first (without --{flag}), or pass the run's --out_dir")
     if not loading and (written := run_files(config.out_dir)):  # a new run would start over them
-        raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume to continue it "
-                        "(from its ckpt.pt), or choose another --out_dir")
+        raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume "
+                        "to continue it (from its ckpt.pt), or choose another --out_dir")
     device, rank, world = setup_device(config)
     keys = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
     ckpt = load_checkpoint(path, keys) if loading else None
@@ -364,15 +367,16 @@ def open_run(argv):
         config = resolve(given, ckpt["train_config"])
     meta, splits, counts = open_data(config.data_dir)
     model_cfg = model_config(config, meta["vocab_size"])
-    # What the run trains on, saved with it for a resume to compare: each shard's length and crc32 of its start
-    data = {split: {os.path.basename(s.filename): [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())]
-                    for s in shards} for split, shards in splits.items()}
+    data = {split: {os.path.basename(s.filename):  # length and crc32 of its start: a resume compares them
+                    [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())] for s in shards}
+            for split, shards in splits.items()}
     if ckpt is not None:
         check_fit(ckpt, path, config, model_cfg, meta, data)
     per_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_step:
-        raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x micro_batch "
-                        f"{config.micro_batch} x seq_len {config.seq_len} = {per_step:,}; use a multiple of it")
+        raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over "
+                        f"world size {world} x micro_batch {config.micro_batch} x seq_len {config.seq_len} "
+                        f"= {per_step:,}; use a multiple of it")
     seq_len, n_val = config.seq_len, max(1, config.eval_tokens // config.seq_len)
     train = Windows(splits["train"], seq_len, config.seed, meta["vocab_size"])
     # the validation windows: the first n_val of the val split, in order, the same tokens at every evaluation
@@ -382,22 +386,21 @@ def open_run(argv):
         raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
     if rank == 0:  # the last step: the run folder is made only once everything else is right
         os.makedirs(config.out_dir, exist_ok=True)
-    # counts: each id's count in the train split (the frequency buckets); byte_lengths: UTF-8 bytes per id (bits
-    # per byte); accum: micro-steps per step on each rank; data: what the run trains on, saved with it.
-    return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train, val=val,
-                           byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt,
-                           device=device, rank=rank, world=world, accum=config.batch_tokens // per_step, step=0,
-                           max_steps=config.total_tokens // config.batch_tokens, lev=model_cfg.embedding == "lev",
-                           wandb=None, data=data)
+    # counts: train-split count per id (frequency buckets); byte_lengths: UTF-8 bytes per id (bits per byte)
+    return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train,
+                           val=val, byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt,
+                           device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
+                           step=0, max_steps=config.total_tokens // config.batch_tokens,
+                           lev=model_cfg.embedding == "lev", wandb=None, data=data)
 
 def build(run):
     """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
     config, cuda = run.config, run.device.type == "cuda"
     torch.manual_seed(config.seed)
     run.raw_model = Model(run.model_config).to(run.device)
-    # AdamW: weight decay on the backbone and head matrices only, a learning rate per kind of parameter
-    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, (config.beta1, config.beta2),
-                                                       fused=cuda, lr_input=config.lr_input, lr_head=config.lr_head)
+    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay,
+                                                       (config.beta1, config.beta2), fused=cuda,
+                                                       lr_input=config.lr_input, lr_head=config.lr_head)
     if run.ckpt is not None:  # no RNG state to restore: after the init above, no step draws a random number
         run.raw_model.load_state_dict(run.ckpt["model"])
         run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
@@ -411,11 +414,10 @@ def build(run):
         ddp = torch.nn.parallel.DistributedDataParallel
         # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step
         # (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers).
-        no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters \
-            else "broadcast_buffers"
-        # gradient_as_bucket_view: the gradients are DDP's buckets, not a second copy
-        run.model = ddp(run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True,
-                        **{no_buffer_sync: False})
+        renamed = "forward_sync_buffers" in inspect.signature(ddp).parameters
+        no_buffer_sync = "forward_sync_buffers" if renamed else "broadcast_buffers"
+        run.model = ddp(run.raw_model, device_ids=[run.device] if cuda else None, **{no_buffer_sync: False},
+                        gradient_as_bucket_view=True)  # the gradients are DDP's buckets, not a second copy
         if config.bf16_allreduce:
             run.model.register_comm_hook(None, bf16_compress_hook)
 
@@ -427,14 +429,16 @@ def set_up(argv):
     outputs = dict(train=vars(config), model=asdict(run.model_config))
     if run.rank == 0:
         show(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
-        show(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
-              f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
+        param_list = ", ".join(f"{k} {v:,}" for k, v in params.items())
+        show(f"parameters: {param_list}; {run.world} x {run.device.type}, {run.accum} micro-steps of "
+             f"{config.micro_batch} x {config.seq_len} per step")
         if not config.eval_only:
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
             keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
         if config.wandb_project:
             import wandb
-            run.wandb = wandb.init(project=config.wandb_project, name=os.path.basename(os.path.abspath(config.out_dir)),
+            run.wandb = wandb.init(project=config.wandb_project,
+                                   name=os.path.basename(os.path.abspath(config.out_dir)),
                                    resume="allow", config=dict(outputs, params=params))
     return run
 
@@ -448,13 +452,14 @@ def lr_at(step, config, max_steps):
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
 
 def to_batch(windows, device, lev):
-    """(inputs, targets, distinct) on the device; LEV's distinct_ids are found here, on the CPU, so that the host
-    need not wait for the GPU to know their number. To a GPU all go in one pinned, asynchronous copy."""
+    """(inputs, targets, distinct) on the device; LEV's distinct_ids are found here, on the CPU, so that the
+    host need not wait for the GPU to know their number. To a GPU all go in one pinned, asynchronous copy."""
     xy = torch.from_numpy(np.stack(windows).astype(np.int64))
     parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
     if device.type == "cuda":
         flat = torch.cat([part.flatten() for part in parts]).pin_memory().to(device, non_blocking=True)
-        parts = [piece.view(part.shape) for piece, part in zip(flat.split([part.numel() for part in parts]), parts)]
+        pieces = flat.split([part.numel() for part in parts])
+        parts = [piece.view(part.shape) for piece, part in zip(pieces, parts)]
     return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
 
 def accumulate_gradients(run, windows):
@@ -481,16 +486,15 @@ def train_step(run):
     windows = [run.train[p] for p in range(run.step * step_windows, (run.step + 1) * step_windows)]
     loss_sum = accumulate_gradients(run, windows)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.config.grad_clip)
-    # The mean loss, and the stop signal of any rank (the highest number if several): all ranks stop together
-    # and exit alike, however many of them the signal reached.
+    # The mean loss, and any rank's stop signal (the highest if several): all ranks stop and exit alike
     loss, stop = loss_sum / run.accum, torch.tensor(STOP["signal"] or 0, device=run.device)
     if run.world > 1:
         dist.all_reduce(loss)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
     loss, grad_norm, stop = loss.item() / run.world, grad_norm.item(), int(stop.item()) or None
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: stopped without updating; "
-                        "the last good checkpoint is kept (try a lower --lr)")
+        raise UserError(f"non-finite loss ({loss}) or gradient norm at step {run.step + 1}: "
+                        "stopped without updating; the last good checkpoint is kept (try a lower --lr)")
     run.optimizer.step()
     # Under DDP the gradients are views into its buckets: zeroed in place they stay so. Set to None,
     # the no_sync micro-steps would make a second copy beside the buckets (4.9 GB at 1.2b).
@@ -504,8 +508,8 @@ def log_record(run, record):
         run.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
 def peak_flops(device_name):
-    """Peak dense bf16 FLOP/s of one GPU (vendors' data sheets): the first entry made of whole words of the name
-    (a variant before its plain name; a GB200 is no B200). None where unknown: no MFU rather than a wrong one."""
+    """Peak dense bf16 FLOP/s of one GPU (data sheets): the first entry made of whole words of the name (a
+    variant before its plain name; a GB200 is no B200). None where unknown: no MFU rather than a wrong one."""
     peaks = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
              "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
     words = set(re.split(r"[\s\-_]+", device_name.upper()))
@@ -513,18 +517,21 @@ def peak_flops(device_name):
 
 def log_step(run, loss, grad_norm, seconds, steps_done):
     step, config = run.step, run.config
-    tokens_per_s, eta = steps_done * config.batch_tokens / seconds, (run.max_steps - step) * seconds / steps_done
+    tokens_per_s = steps_done * config.batch_tokens / seconds
+    eta = (run.max_steps - step) * seconds / steps_done
     record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
-                  grad_norm=grad_norm, tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
-    line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {tokens_per_s:,.0f} tok/s"
+                  grad_norm=grad_norm, tokens_seen=step * config.batch_tokens,
+                  tokens_per_s=tokens_per_s, eta_s=eta)
+    line = (f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
+            f"{tokens_per_s:,.0f} tok/s")
     if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
-        record.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+        record.update(graphs=counters["stats"]["unique_graphs"],
+                      graph_breaks=sum(counters["graph_break"].values()))
     if run.device.type == "cuda":  # reserved: what the allocator holds, the figure that must fit the GPU
         record.update(peak_mem_gb=torch.cuda.max_memory_allocated(run.device) / 1e9,
                       peak_reserved_gb=torch.cuda.max_memory_reserved(run.device) / 1e9)
         line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
     if peak := peak_flops(torch.cuda.get_device_name(run.device)) if run.device.type == "cuda" else None:
-        # model FLOPs utilisation of each GPU: the model's training FLOPs over the GPU's peak
         record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
         line += f" | MFU {record['mfu']:.1%}"
     show(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
@@ -532,7 +539,7 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
 
 # ---------------------------------------------------------------------------- evaluation
 def bucket_sums(losses, target_counts, n_buckets):
-    """Summed nats and tokens per bucket of the targets' training counts: 0, then [10^(j-1), 10^j) for bucket j."""
+    """Nats and tokens per bucket of the targets' training counts: 0, then [10^(j-1), 10^j) for bucket j."""
     edges = 10 ** np.arange(n_buckets - 1, dtype=np.int64)  # 1, 10, 100, ...: exact integer bounds
     bucket = np.searchsorted(edges, np.asarray(target_counts), side="right")  # count 0 -> 0, 1-9 -> 1, ...
     nats = np.bincount(bucket, weights=np.asarray(losses, dtype=np.float64), minlength=n_buckets)
@@ -542,15 +549,16 @@ def bucket_table(nats, tokens):
     """The paper's frequency-stratified table: {counts, tokens, loss, ppl} per bucket (None if empty)."""
     losses = [float(n / t) if t else None for n, t in zip(nats, tokens)]
     return [dict(counts="0" if j == 0 else f"{10 ** (j - 1)}-{10 ** j - 1}", tokens=int(t), loss=loss,
-                 ppl=None if loss is None else math.exp(loss)) for j, (t, loss) in enumerate(zip(tokens, losses))]
+                 ppl=None if loss is None else math.exp(loss))
+            for j, (t, loss) in enumerate(zip(tokens, losses))]
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss, perplexity, bits per byte and the frequency table over the validation windows, reported by rank 0:
-    each rank takes every world_size-th, one all_reduce adds the sums. It runs raw_model: DDP's forward syncs
-    buffers, a collective that a rank with fewer windows would miss."""
+    """Loss, perplexity, bits per byte and the frequency table over the validation windows, reported by
+    rank 0: each rank takes every world_size-th, one all_reduce adds the sums. It runs raw_model: DDP's
+    forward syncs buffers, a collective that a rank with fewer windows would miss."""
     model, micro_batch = run.raw_model, run.config.micro_batch
-    n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # count 0, then the decades the largest count needs
+    n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # 0, then the decades up to the largest count
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
     rank_windows = run.val[run.rank::run.world]
     for i in range(0, len(rank_windows), micro_batch):
@@ -568,7 +576,8 @@ def evaluate(run):
         dist.all_reduce(sums)
     nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
     loss = nats.sum() / tokens.sum()
-    result = dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
+    result = dict(val_loss=float(loss), val_ppl=math.exp(loss),
+                  val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
                   eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
     if run.rank != 0:  # rank 0 prints it, writes eval_step<N>.json and logs it
         return result
@@ -598,20 +607,21 @@ def checkpoint(run):
         try:  # atomic_write: a failed write (a full disk) keeps the previous checkpoint whole
             atomic_write(path, lambda f: torch.save(state, f))
         except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
-            error = UserError(f"could not write {path} ({getattr(e, 'strerror', None) or str(e).splitlines()[0]}); "
-                              "the previous checkpoint is kept")
+            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
     failed = torch.tensor(float(error is not None), device=run.device)
     if run.world > 1:
         dist.broadcast(failed, 0)
     if failed.item():
         raise error or UserError("rank 0 could not write the checkpoint")
     if run.rank == 0:
-        show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
+        show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in "
+             f"{time.time() - start:.1f} s")
 
 def shut_down(code, together=True):
-    """Leave the process group, once every rank is done if together (rank 0's checkpoint written); returns code.
-    A rank alone (its set-up failed) cannot tear the group down, and gloo's teardown can deadlock on the GIL
-    (pytorch#56297): both exit at once, everything written flushed."""
+    """Leave the process group, once every rank is done if together (rank 0's checkpoint written); returns
+    code. A rank alone (its set-up failed) cannot tear the group down, and gloo's teardown can deadlock on
+    the GIL (pytorch#56297): both exit at once, everything written flushed."""
     if dist.is_initialized():
         if together:
             dist.barrier()
@@ -622,11 +632,11 @@ def shut_down(code, together=True):
         dist.destroy_process_group()
     return code
 
-# ---------------------------------------------------------------------------- main: set-up, the loop, shut-down
+# ------------------------------------------------------------------------- main: set-up, the loop, shut-down
 def main(argv):
     try:
         run = set_up(argv)
-    except UserError as e:  # on this rank (a file missing on one node, say): torchrun stops the others, naming it
+    except UserError as e:  # on this rank (one node lacks a file, say): torchrun stops the others, naming it
         print_error(e)
         return shut_down(1, together=False)
     config, code = run.config, 0
