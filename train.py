@@ -20,9 +20,9 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
-from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta, parse_bool,
-                          parse_number, print_error, read_shard, run_main, shard_paths, tokenizer_from_meta,
-                          write_json)
+from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta,
+                          load_token_bytes, parse_bool, parse_number, print_error, read_shard, run_main,
+                          shard_paths, write_json)
 
 # ---------------------------------------------------------------------------- the options and the sizes
 DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU; each size in SIZES sets its own values over these
@@ -239,7 +239,8 @@ def setup_device(config):
     return device, rank, world
 
 def open_data(data_dir):
-    """meta.json, the shards of both splits (each read as used), and the training token counts."""
+    """meta.json, the shards of both splits (each read as used), each id's count in the training split and
+    its UTF-8 bytes (bits per byte without the tokenizer)."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = DATA.get(os.path.normpath(data_dir), [None])[0]
         hint = (f"run `{command}` first" if command
@@ -254,7 +255,8 @@ def open_data(data_dir):
         if not paths or listed and (listed.get("shards"), listed.get("tokens")) != found:
             raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json "
                             f"lists {listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
-    return meta, splits, load_counts(data_dir, meta["vocab_size"])
+    n_ids = meta["vocab_size"]
+    return meta, splits, load_counts(data_dir, n_ids), load_token_bytes(data_dir, n_ids)
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
@@ -365,7 +367,7 @@ def open_run(argv):
     ckpt = load_checkpoint(path, keys) if loading else None
     if ckpt is not None:
         config = resolve(given, ckpt["train_config"])
-    meta, splits, counts = open_data(config.data_dir)
+    meta, splits, counts, byte_lengths = open_data(config.data_dir)
     model_cfg = model_config(config, meta["vocab_size"])
     data = {split: {os.path.basename(s.filename):  # length and crc32 of its start: a resume compares them
                     [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())] for s in shards}
@@ -388,7 +390,7 @@ def open_run(argv):
         os.makedirs(config.out_dir, exist_ok=True)
     # counts: train-split count per id (frequency buckets); byte_lengths: UTF-8 bytes per id (bits per byte)
     return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train,
-                           val=val, byte_lengths=tokenizer_from_meta(meta).token_byte_lengths(), ckpt=ckpt,
+                           val=val, byte_lengths=byte_lengths, ckpt=ckpt,
                            device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
                            step=0, max_steps=config.total_tokens // config.batch_tokens,
                            lev=model_cfg.embedding == "lev", wandb=None, data=data)

@@ -59,15 +59,17 @@ def test_log_records_are_one_type_and_leave_out_a_line_cut_short(tmp_path):
 
 @pytest.mark.parametrize("damage", ["a line not JSON", "a record without its step"])
 def test_a_damaged_log_line_is_one_error_naming_it(tmp_path, damage):
-    """Only a cut last line is a kill's trace; a damaged line before it is refused, by the
-    readers of compare and study (log_records) and by train.py's resume (keep_log_until)."""
+    """Only a cut last line is a kill's trace; a damaged line before it is refused by the readers of
+    compare and study (log_records), whose tables it would make wrong. train.py's resume, for which the
+    log is diagnostics, not state, drops it (keep_log_until)."""
     bad = '{"type": "train", "st\n' if damage == "a line not JSON" else '{"type": "train"}\n'
     log = tmp_path / "log.jsonl"
     log.write_text('{"type": "train", "step": 1}\n' + bad + '{"type": "train", "step": 3}\n')
-    for read in (lambda: runs.log_records(tmp_path, "train"), lambda: train.keep_log_until(str(log), 3)):
-        with pytest.raises(UserError, match=r"log\.jsonl, line 2: not a log record"):
-            read()
+    with pytest.raises(UserError, match=r"log\.jsonl, line 2: not a log record"):
+        runs.log_records(tmp_path, "train")
     assert log.read_text().count("\n") == 3  # left as it was
+    train.keep_log_until(str(log), 3)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 3]
 
 
 def test_a_damaged_config_or_evaluation_of_a_run_is_one_error_naming_it(train_data, tmp_path, capsys):
