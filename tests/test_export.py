@@ -1,0 +1,100 @@
+"""experiments/export.py: a trained run of each arm, exported as a user runs it, loaded by transformers
+with no custom code, gives our model's logits and greedy continuations, and our tokenizer's ids."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import HERE, SCRIPT_ENV, assert_one_error_line, train_cli
+from experiments import export
+from leviathan import EMBEDDINGS, generate
+from prepare_data import read_shard, shard_paths
+from sample import load_model
+
+transformers = pytest.importorskip("transformers", reason=f"needs transformers: {export.INSTALL}")
+
+# seq_len 128: a 16-token prompt and 64 new tokens fit in one window (ours slides past seq_len, theirs
+# extrapolates the rotary positions); 20 steps, so that greedy decoding follows the corpus's grammar.
+RUN = ["--seq_len=128", "--batch_tokens=1024", "--total_tokens=30720", "--eval_tokens=1024", "--lr=1e-2"]
+TEXTS = ["The cat sat on the mat. Alice liked the river.",
+         "def main(argv=None):\n    return run_main(export, argv)  # 3.14159 and 1,000,000\n",
+         "  Ünïcödé: 東京, Москва, ∑ x² ≥ 0 🙂\r\n\ttabs\t\tand   runs   of spaces   ",
+         "it's, they'll, WE'VE, I'd <|endoftext|> <|fim_prefix|>"]
+
+
+def run_export(run, hf_dir, *args):
+    return subprocess.run([sys.executable, "-m", "experiments.export", f"--out_dir={run}", f"--hf_dir={hf_dir}",
+                           *args], cwd=HERE, env=SCRIPT_ENV, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module", params=EMBEDDINGS)
+def exported(request, train_data, tmp_path_factory):
+    """(run folder, export folder, export's stdout) of a 20-step run of the arm."""
+    tmp = tmp_path_factory.mktemp(f"export-{request.param}")
+    train_cli(train_data, tmp / "run", f"--embedding={request.param}", *RUN)
+    r = run_export(tmp / "run", tmp / "hf")
+    assert r.returncode == 0, r.stderr
+    return tmp / "run", tmp / "hf", r.stdout
+
+
+def val_windows(train_data, n, length):
+    tokens = np.asarray(read_shard(shard_paths(train_data, "val")[0])).astype(np.int64)
+    starts = np.linspace(0, len(tokens) - length, n).astype(int)
+    return torch.from_numpy(np.stack([tokens[s:s + length] for s in starts]))
+
+
+def test_export_gives_the_models_logits_and_greedy_text(exported, train_data):
+    run, hf_dir, stdout = exported
+    model, tok, step = load_model(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert os.path.isfile(hf_dir / "model.safetensors") and "with tokenizer" in stdout, stdout
+    config = json.loads((hf_dir / "config.json").read_text())
+    record = config["leviathan"]
+    assert (record["embedding"], record["step"]) == (model.cfg.embedding, step)
+    assert record["model_config"]["lev_sigmoid_scale"] == model.cfg.lev_sigmoid_scale
+    assert config["tie_word_embeddings"] == (model.cfg.embedding == "tied")
+    if model.cfg.embedding == "tied":
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+    idx = val_windows(train_data, 4, model.cfg.seq_len)
+    with torch.no_grad():
+        expected, got = model(idx), hf(idx).logits
+    difference = (got - expected).abs().max().item()
+    print(f"{model.cfg.embedding}: max |logits difference| {difference:.2e}")  # -s shows it
+    assert difference <= 1e-4, difference
+
+    # greedy: 64 new tokens (fewer if both stop at end-of-text, which theirs includes and ours does not)
+    prompt = idx[1, :16].tolist()
+    ours = list(generate(model, prompt, 64, temperature=0, stop_id=tok.eot, n_valid=tok.n_vocab))
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+    assert out[:len(ours) + 1] == ours + [tok.eot] * (len(ours) < 64) and len(ours) >= 32, (ours, out)
+    assert max(ours) < tok.n_vocab
+    print(f"{model.cfg.embedding}: greedy {len(ours)} tokens, {len(set(ours))} distinct: {tok.decode(ours)[:60]!r}")
+
+
+def test_exported_tokenizer_encodes_as_ours(exported, train_data):
+    run, hf_dir, _ = exported
+    _, tok, _ = load_model(run)
+    fast = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    real = tok.decode(val_windows(train_data, 1, 100)[0].tolist())
+    for text in TEXTS + [real]:
+        ids = fast(text, add_special_tokens=False)["input_ids"]
+        assert ids == tok.encode(text), text
+        assert fast.decode(ids) == text
+    assert fast.eos_token_id == tok.eot
+
+
+def test_wrong_folder_and_missing_transformers_are_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert export.main([f"--out_dir={tmp_path}", f"--hf_dir={tmp_path / 'other'}"]) == 1
+    assert_one_error_line(1, capsys.readouterr().err, "not an export of this tool")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    assert export.main([f"--out_dir={tmp_path}", f"--hf_dir={tmp_path / 'hf'}"]) == 1
+    assert_one_error_line(1, capsys.readouterr().err, export.INSTALL)
