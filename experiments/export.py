@@ -22,7 +22,7 @@ those of our Model on one window (max |difference| <= 1e-4 x max(1, max |logit|)
 tokenizer, that it gives our ids on sample texts. Otherwise: an error line (the model) or a line
 saying the tokenizer was left out.
 """
-import dataclasses, json, os, struct, sys, time
+import dataclasses, gc, json, os, struct, sys, time
 
 from prepare_data import ArgumentParser, UserError, parse_bool, run_main
 if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
@@ -140,14 +140,13 @@ def fast_tokenizer(transformers, tok, seq_len):
         splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
         merges += [(rank, ranks[a], ranks[b], a, b) for a, b in splits]
     merges.sort(key=lambda m: m[:3])
-    bpe = models.BPE({chars(t): r for t, r in ranks.items()}, [(chars(a), chars(b)) for *_, a, b in merges],
-                     ignore_merges=True)
-    fast = Tokenizer(bpe)
+    eot = tok.enc.decode_single_token_bytes(tok.eot).decode()
+    vocab = {chars(t): r for t, r in ranks.items()} | {eot: tok.eot}  # o200k: a gap of one id before it
+    fast = Tokenizer(models.BPE(vocab, [(chars(a), chars(b)) for *_, a, b in merges], ignore_merges=True))
     fast.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(tok.enc._pat_str), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     fast.decoder = decoders.ByteLevel()
-    eot = tok.enc.decode_single_token_bytes(tok.eot).decode()
     fast.add_special_tokens([AddedToken(eot, special=True, normalized=False)])
     if fast.token_to_id(eot) != tok.eot:
         raise ValueError(f"end-of-text got id {fast.token_to_id(eot)}, not {tok.eot}")
@@ -210,6 +209,7 @@ def export(args):
     os.makedirs(args.hf_dir, exist_ok=True)
     write_safetensors(os.path.join(args.hf_dir, "model.safetensors"), llama_weights(model))
     del model  # before transformers loads its copy: one model in memory at a time
+    gc.collect()
     config.save_pretrained(args.hf_dir)
     padding = list(range(tok.n_vocab, cfg.vocab_size))  # never sampled (sample.py's n_valid)
     transformers.GenerationConfig(bos_token_id=tok.eot, eos_token_id=tok.eot, pad_token_id=tok.eot,
