@@ -399,10 +399,10 @@ def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_v
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits[logits < kth] = float("-inf")
     if top_p < 1.0:
-        # Nucleus: keep the most likely ids until their mass reaches top_p; the id that
-        # crosses the line is kept, so at least one always survives.
+        # Nucleus: the ids up to mass top_p and the one crossing it; the top one even if top_p rounds to 0
         probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
         outside = probs.cumsum(-1) - probs >= top_p
+        outside[0] = False
         logits[order[outside]] = float("-inf")
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
 

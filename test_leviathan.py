@@ -916,6 +916,8 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(embedding):
     greedy = generated_ids(model, 40, temperature=0, n_valid=N_VALID)
     assert generated_ids(model, 40, seed=1, temperature=1.5, top_k=1, n_valid=N_VALID) == greedy
     assert generated_ids(model, 40, seed=1, temperature=1.5, top_p=1e-6, n_valid=N_VALID) == greedy
+    # a top_p so small that it is 0 in float32: the most likely id still survives the nucleus
+    assert generated_ids(model, 40, seed=1, temperature=1.5, top_p=5e-324, n_valid=N_VALID) == greedy
 
 
 def test_top_k_and_top_p_keep_the_right_ids():
