@@ -7,8 +7,8 @@
 Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
 every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
-import argparse, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex, signal, sys
-import sysconfig, tempfile, time
+import argparse, difflib, functools, glob, gzip, hashlib, itertools, json, math, os, platform, re, shlex
+import signal, sys, sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
@@ -206,15 +206,15 @@ HUB_REPO = "monology/pile-uncopyrighted"
 # stream, the documents its shards hold, so every run must stream the same documents in the same order.
 HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
 
-def find_files(spec):
-    """The files a PATH, glob or folder names, sorted so that document order is reproducible."""
+def find_files(spec, option="dataset"):
+    """The files a PATH, glob or folder names (--option's), sorted so that document order is reproducible."""
     if os.path.isdir(spec):
         found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
     else:  # a plain path globs to itself when it exists
         found = glob.glob(spec, recursive=True)
     if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
-        raise UserError(f"{spec}: not found, or no {', '.join(SUFFIXES)} files there "
-                        "(--dataset=demo needs no files)")
+        raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there"
+                        + (" (--dataset=demo needs no files)" if option == "dataset" else ""))
     return files
 
 def _zstd_lines(path, f):
@@ -376,6 +376,7 @@ def _parse_args(argv):
 
 def _sources(args):
     """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
+    train_files = []  # --dataset's, when it names files
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
         docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
@@ -383,14 +384,21 @@ def _sources(args):
         name, docs = "demo", demo_documents
         desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
     else:  # named after the file, or a glob's folder
-        docs = functools.partial(file_documents, find_files(args.dataset))
+        train_files = find_files(args.dataset)
+        docs = functools.partial(file_documents, train_files)
         desc = os.path.abspath(args.dataset)
         name = os.path.basename(args.dataset.rstrip("/"))
         name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
         name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
-        desc = f"{desc}; val: {os.path.abspath(args.val)}"
-        val = functools.partial(file_documents, find_files(args.val))
+        desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
+        # a file in both splits: the validation loss would be measured on text the model trains on, silently
+        trained = {os.path.realpath(f) for f in train_files}
+        if shared := sorted(trained & {os.path.realpath(f) for f in val_files}):
+            raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val "
+                            "files of their own, or leave --val out (--val_fraction then holds out part of "
+                            "--dataset)")
+        val = functools.partial(file_documents, val_files)
     if args.dataset == "pile" or args.val:
         return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
     every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
@@ -515,6 +523,13 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
         super().__init__(prog=prog, allow_abbrev=False, **kwargs)
     def error(self, message):
+        if message.startswith("unrecognized arguments"):  # a name from elsewhere: --dataset, --batch_size
+            known = [o[2:] for o in self._option_string_actions if o.startswith("--")]
+            hints = []
+            for name in re.findall(r"--([\w-]+)", message):  # a known option of the same stem, if close
+                if close := difflib.get_close_matches(name, [k for k in known if k[:3] == name[:3]], 1, 0.5):
+                    hints.append(f"--{close[0]} for --{name}")
+            message += f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise UserError(f"{message} (see python {self.prog} --help)")
 
 def atomic_write(path, write, mode="wb"):

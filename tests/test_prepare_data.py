@@ -263,6 +263,23 @@ def test_bad_inputs_give_one_clear_error_line(tmp_path):
         assert_one_error_line(r.returncode, r.stderr, words)
 
 
+def test_validation_files_that_are_also_trained_on_are_refused(tmp_path):
+    """--val naming --dataset's file, or one of its folder's or glob's, would validate on training text; a --val
+    that names nothing is its own error, without --dataset's hint."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (corpus / name).write_text('{"text": "fine"}\n{"text": "also fine"}\n')
+    for dataset, val in [(corpus / "a.jsonl", corpus / "a.jsonl"), (corpus, corpus / "b.jsonl"),
+                         (f"{corpus}/*.jsonl", f"{corpus}/../corpus/a.jsonl")]:
+        r = run_script("prepare_data.py", f"--dataset={dataset}", f"--val={val}", f"--out_dir={tmp_path / 'out'}")
+        assert_one_error_line(r.returncode, r.stderr, "--val and --dataset share 1 file(s)")
+    r = run_script("prepare_data.py", f"--dataset={corpus}", f"--val={tmp_path / 'nowhere.jsonl'}",
+                   f"--out_dir={tmp_path / 'out'}")
+    assert_one_error_line(r.returncode, r.stderr, "--val=", "nowhere.jsonl: not found")
+    assert "--dataset=demo" not in r.stderr and not (tmp_path / "out").exists()
+
+
 def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
     lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(3000)]
     src = tmp_path / "c.jsonl"
