@@ -550,6 +550,9 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
     out = tmp_path / "o"
     for args, phrases in [(["--size=3b"], ["--size=3b", "tiny"]),
                           (["--colour=red"], ["unrecognized arguments: --colour=red", "python train.py --help"]),
+                          # an option name from other codebases: the one of train.py it stands for
+                          (["--dataset=data/pile"], ["--dataset", "did you mean --data_dir"]),
+                          (["--batch_size=8"], ["--batch_size", "did you mean --batch_tokens"]),
                           (["--lr=fast"], ["--lr", "expected float, got 'fast'"]),
                           (["--embedding=sparse"], ["lev, tied, untied"]),
                           (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
