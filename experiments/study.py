@@ -313,6 +313,8 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
     k, n = part
     for plan_name in plan_names:
         plan = PLANS[plan_name]
+        if not os.path.isfile(os.path.join(plan["data"], "meta.json")):  # train.py would name prepare_data.py
+            raise UserError(f"{plan['data']} is missing: run `python -m experiments.study prepare` first")
         if "derived_from" in plan and not wait_for_other_parts(plan["derived_from"], part, deadline):
             print(f"not run: {plan_name} (the {plan['derived_from']} runs it needs were not finished by the deadline)",
                   flush=True)

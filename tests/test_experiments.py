@@ -535,6 +535,12 @@ def test_study_sweep_parts_share_the_runs_without_overlap(tmp_path, monkeypatch,
     monkeypatch.setattr(study, "STUDY_DIR", str(tmp_path))
     monkeypatch.setattr(study, "measured_speed", lambda plan: None)
     monkeypatch.setattr(runs.subprocess, "Popen", FinishedAtOnce)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=re.escape("data/demo-tune is missing: run `python -m experiments.study "
+                                                  "prepare` first")):  # not prepare_data.py, as train.py would say
+        study.main(["sweep", "tune-long"])
+    os.makedirs("data/demo-tune")
+    Path("data/demo-tune/meta.json").write_text("{}")  # what `study prepare` writes last
     parts = []
     for k in (1, 2):
         study.main(["sweep", "tune-long", f"--part={k}/2"])
@@ -926,6 +932,9 @@ def test_study_sweep_starts_variants_through_lev_variants_and_a_part_waits_for_t
     monkeypatch.setattr(study, "STUDY_DIR", str(tmp_path))
     monkeypatch.setattr(study, "measured_speed", lambda plan: None)
     monkeypatch.setattr(runs.subprocess, "Popen", FinishedAtOnce)
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data/demo-final")
+    Path("data/demo-final/meta.json").write_text("{}")  # as `study prepare` leaves it
     study.main(["sweep", "lev-variants"])
     launched = [argv[1:3] if argv[1] == "-m" else [os.path.basename(argv[1])] for argv in started]
     assert launched == [["train.py"], ["train.py"], ["-m", "experiments.lev_variants"],
