@@ -434,6 +434,10 @@ def prepare(argv=None):
                   shard_tokens=args.shard_tokens, format_version=VERSION)
     os.makedirs(out_dir, exist_ok=True)
     progress = _load_progress(out_dir, config)
+    for split in SPLITS:  # a shard lost since (a partial copy): a rerun would call the folder whole
+        if (have := len(shard_paths(out_dir, split))) < (wrote := progress["splits"][split]["shards"]):
+            raise UserError(f"{out_dir} holds {have} of the {wrote} {split} shards this command wrote there "
+                            "(a partial copy?): delete the folder and run the command again")
     complete = os.path.exists(os.path.join(out_dir, "meta.json")) and all(
         progress["splits"][s]["done"] for s in SPLITS)
     for split in SPLITS:

@@ -280,6 +280,21 @@ def test_validation_files_that_are_also_trained_on_are_refused(tmp_path):
     assert "--dataset=demo" not in r.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_folder_that_lost_a_shard_is_not_called_done(tmp_path):
+    """Rerun over a prepared folder that has since lost a shard (a partial copy): one error line, nothing else
+    touched, instead of 'done' over a folder train.py would refuse."""
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(2000)) + "\n")
+    args = [f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--shard_tokens=1000", "--workers=1"]
+    assert run_script("prepare_data.py", *args).returncode == 0
+    shards = prep.shard_paths(tmp_path / "out", "train")
+    os.remove(shards[1])
+    before = {p: open(p, "rb").read() for p in shards if os.path.exists(p)}
+    r = run_script("prepare_data.py", *args)
+    assert_one_error_line(r.returncode, r.stderr, f"holds {len(shards) - 1} of the {len(shards)} train shards")
+    assert {p: open(p, "rb").read() for p in prep.shard_paths(tmp_path / "out", "train")} == before
+
+
 def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
     lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(3000)]
     src = tmp_path / "c.jsonl"
