@@ -57,12 +57,12 @@ def parse_args(argv):
 
 
 def train(args, arm):
-    run_dir = os.path.join(args.out_dir, arm)
-    if runs.finished(run_dir):
+    run_dir, options = os.path.join(args.out_dir, arm), [f"--size={args.size}", f"--embedding={arm}",
+                                                         *args.train_options]
+    if runs.finished(run_dir, options):
         print(f"{arm}: trained ({run_dir})", flush=True)
         return
-    code, _ = runs.train(run_dir, [f"--size={args.size}", f"--embedding={arm}", *args.train_options],
-                         processes=max(args.gpus, 1))  # its progress and any error line go to the terminal
+    code, _ = runs.train(run_dir, options, processes=max(args.gpus, 1))  # its output goes to the terminal
     if code:
         raise UserError(f"train.py stopped (exit status {code}) while training {arm}; its output is above. "
                         "Run the same experiments.compare command again to resume")

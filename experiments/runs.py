@@ -16,7 +16,7 @@ import sys
 import time
 
 from prepare_data import UserError, read_json
-from train import run_files
+from train import DEFAULTS, RESUME_FREE, parse_args, resolve, run_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
@@ -43,8 +43,10 @@ def log_records(run_dir, kind):
     return [r for r in records if r["type"] == kind]
 
 
-def finished(run_dir):
-    """Whether the run has evaluated at its last step (train.py's last act before exiting)."""
+def finished(run_dir, options=None):
+    """Whether the run has evaluated at its last step (train.py's last act before exiting). With the
+    train.py options it is to have, a finished run trained otherwise is refused: reused, its results
+    would stand for a run that was not made (a folder trained by hand, say)."""
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
         return False
@@ -54,7 +56,15 @@ def finished(run_dir):
         raise UserError(f"{config_path} lacks the run's total_tokens (an edited or foreign file); "
                         "delete the run folder to train it afresh")
     records = log_records(run_dir, "eval")
-    return bool(records) and records[-1]["tokens_seen"] >= total_tokens
+    done = bool(records) and records[-1]["tokens_seen"] >= total_tokens
+    if done and options is not None:
+        known = [o for o in options if o.split("=")[0][2:] in DEFAULTS]  # a LEV variant's own: lev_variants.py's
+        asked, saved = vars(resolve(parse_args(known))), config["train"]
+        if changed := sorted(k for k in asked if k not in RESUME_FREE and saved.get(k) != asked[k]):
+            raise UserError(f"{run_dir} was trained with other options (" + ", ".join(
+                f"{k}={saved.get(k)} there, {asked[k]} here" for k in changed) + "): delete it to train it "
+                "with these, or ask for the options it was trained with")
+    return done
 
 
 def command(options, processes=1):

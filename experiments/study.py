@@ -320,7 +320,7 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
                   flush=True)
             continue
         for out_dir, args in planned_runs(plan_name)[k - 1::n]:
-            if finished(out_dir):
+            if finished(out_dir, args):
                 continue
             speed = measured_speed(plan)
             estimate = plan["steps"] * BATCH_TOKENS / speed * 1.1 if speed else None  # +10% for evaluations

@@ -104,6 +104,12 @@ def test_a_run_stopped_part_way_is_resumed_and_then_finished(train_data, tmp_pat
     assert printed[0].endswith(f"--stop_step=2 --out_dir={out}") and printed[1].endswith(f"--out_dir={out} --resume")
     assert [r["step"] for r in runs.log_records(out, "train")] == [1, 2, 3, 4]
     assert '"resume": true' in (tmp_path / "second.txt").read_text()  # the config it printed
+    # Reused only as trained: what the tools ask of it must be what it was trained with (what --resume
+    # refuses to change), or its table would stand for a run never made
+    assert runs.finished(out, [*options, "--eval_interval=1000", "--log_interval=5"])
+    for other in (["--lr=1e-2"], ["--embedding=tied"], ["--seed=7"]):
+        with pytest.raises(UserError, match=f"{out} was trained with other options .*{other[0][2:].split('=')[0]}="):
+            runs.finished(out, [*options, *other])
 
 
 def test_wait_stops_a_run_at_its_deadline_and_train_py_saves_a_checkpoint(train_data, tmp_path):
