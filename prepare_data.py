@@ -470,7 +470,9 @@ class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
 def print_error(e):
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, however many the message has
+    # One line, however many the message has, in one write: ranks that meet the same error print whole lines
+    sys.stderr.write("error: " + " ".join(str(e).split()) + "\n")
+    sys.stderr.flush()
 
 def _interrupted(signum, frame):
     print("\ninterrupted", file=sys.stderr)
