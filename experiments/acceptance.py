@@ -532,8 +532,9 @@ def disk_speed(out_dir, size, shape, data_dir):
     return dict(gb_per_s=gb_per_s, checkpoint_gb=checkpoint_gb, checkpoint_s=checkpoint_gb / gb_per_s)
 
 def prepare_o200k_demo(data_dir):
-    """The demo corpus with the full o200k vocabulary (offline), prepared the first time only."""
-    if os.path.exists(os.path.join(data_dir, "meta.json")):
+    """The demo corpus with the full o200k vocabulary (offline), prepared the first time only (and again where
+    an older prepare_data.py left a file out: the rerun adds it)."""
+    if all(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "token_bytes.npy")):
         return
     print(f"preparing {data_dir}: the demo corpus with the full o200k vocabulary", flush=True)
     result = subprocess.run([sys.executable, PREPARE_DATA, "--dataset=demo", "--vocab_size=0",
