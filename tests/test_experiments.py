@@ -756,7 +756,8 @@ def test_acceptance_fails_a_wrong_figure_and_keeps_a_crashed_runs_last_lines(tra
         assert len(run["tail"]) <= 40 and "numpy is not installed here" in "\n".join(run["tail"]), run
     broken = tmp_path / "broken"
     broken.mkdir()
-    shutil.copy(train_data / "meta.json", broken / "meta.json")
+    for name in ("meta.json", "token_bytes.npy"):  # a prepared folder, as far as the bench looks, without shards
+        shutil.copy(train_data / name, broken / name)
     code, lines, figures = acceptance_toy(broken, tmp_path, monkeypatch, capsys, tmp_path / "runs")
     assert code == 1 and figures["ended"].startswith("crashed: UserError") and "0 train shards" in figures["ended"]
     assert any(line.startswith("FAIL ") and "this process crashed" in line for line in lines), lines
