@@ -157,9 +157,12 @@ def resolve(given, saved=None):
     config = check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input,
                                       "lr_head": lr_head, "out_dir": os.path.join("out", f"{size}-{arm}"),
                                       **given}))
-    if data := DATA.get(os.path.normpath(config.data_dir)):
+    if data := default_data(config.data_dir):
         model_config(config, data[1])  # the model's shape, before any data is read
     return config
+
+def default_data(data_dir):  # a size's own data folder: its DATA entry (None for another folder)
+    return DATA.get(os.path.normpath(data_dir).replace(os.sep, "/"))
 
 def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids ids
     shape = {f.name: getattr(config, f.name) for f in fields(Config)
@@ -242,7 +245,7 @@ def open_data(data_dir):
     """meta.json, the shards of both splits (each read as used), each id's count in the training split and
     its UTF-8 bytes (bits per byte without the tokenizer)."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = DATA.get(os.path.normpath(data_dir), [None])[0]
+        command = (default_data(data_dir) or [None])[0]
         hint = (f"run `{command}` first" if command
                 else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote")
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): {hint}")
