@@ -47,9 +47,10 @@ import torch.nn.functional as F
 
 from experiments import runs
 from experiments.bench import MEMORY_ESTIMATE_GB, PREPARE_DATA, parameter_count, size_model
-from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, padded_vocab
+from leviathan import (LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, padded_vocab,
+                       precision)
 from prepare_data import UserError, load_meta, write_json
-from train import Windows, accumulate_gradients, open_data, peak_flops, precision, resolve
+from train import Windows, accumulate_gradients, open_data, peak_flops, resolve
 
 BUDGET_S = 8 * 60  # the whole run, verdict included (a lent GPU comes with ~15 minutes, start-up included)
 CLOSING_S = 20  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict
@@ -316,14 +317,13 @@ def wait_for_run(name, figures, started, deadline):
 def read_runs(out_dir, figures):
     """Every figure the runs' logs and outputs hold, whether or not they ended (a run stopped by the budget
     keeps what it logged). A run that failed keeps its last 40 lines."""
-    logs = {folder: records(os.path.join(out_dir, folder)) for folder in
-            ("200m-whole", "200m-resumed", "200m-ddp-one-gpu", "200m-ddp", "1.2b")}
+    train = {folder: runs.log_records(os.path.join(out_dir, folder), "train") for folder in
+             ("200m-whole", "200m-resumed", "200m-ddp-one-gpu", "200m-ddp", "1.2b")}
     checks, outputs = figures["checks"], {}
     for name, run in figures["runs"].items():
         outputs[name] = open(run["output"]).read() if os.path.exists(run["output"]) else ""
         if run_line(name, run)[0] != "ok":
             run["tail"] = outputs[name].splitlines()[-40:]
-    train = {folder: [r for r in log if r["type"] == "train"] for folder, log in logs.items()}
     for name in ("200m-whole", "1.2b"):  # the runs the memory check reads (one process each)
         run = figures["runs"].get(name, {})
         run.update({key: max((r[key] for r in train[name] if key in r), default=None) for key in MEMORY_HEADROOM})
@@ -335,7 +335,8 @@ def read_runs(out_dir, figures):
         first, last = train["200m-whole"][0], train["200m-whole"][-1]
         checks["first_loss"] = abs(first["loss"] - figures["limits"]["eval"]) if first["step"] == 1 else None
         checks["loss_falls"] = last["loss"] / first["loss"] if last["step"] == STEPS else None
-    checks["eval"] = next((r["val_loss"] for r in logs["200m-whole"] if r["type"] == "eval"), None)
+    checks["eval"] = next((r["val_loss"] for r in runs.log_records(os.path.join(out_dir, "200m-whole"), "eval")),
+                          None)
     saved = saved_step(outputs.get("200m-stopped", ""))
     checks["signal_stop"] = steps_lost(outputs.get("200m-stopped", ""), saved, outputs.get("200m-resumed", ""))
     if "memory" in checks:
@@ -354,13 +355,6 @@ def read_runs(out_dir, figures):
         checks["lev_share"] = figures["lev"]["seconds"] / figures["speed"]["1.2b"]["micro_step_s"]
     if outputs:  # the runs' outputs, and this process's own kernels
         checks["eager"] = sum(EAGER_WARNING in output for output in outputs.values()) + len(Fused.warned)
-
-def records(run_dir):
-    """A run's log.jsonl records ([] if none); train.py writes each line whole, a kill may cut the last."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in open(path).read().split("\n")[:-1]]
 
 def run_line(name, run):
     """(state, line) for a run: ok when it ended as expected, or was stopped here once measured; INCOMPLETE
