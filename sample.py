@@ -12,8 +12,8 @@ if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is 
     quiet_interrupt()
 import torch
 
-from leviathan import Config, Model, generate
-from train import load_checkpoint, precision
+from leviathan import Config, Model, generate, precision
+from train import load_checkpoint
 
 def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call

@@ -28,8 +28,8 @@ import glob, os, sys
 import torch
 
 from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, read_json, run_main, write_json
+from leviathan import precision
 from sample import check_device, load_model
-from train import precision
 
 try:
     import lm_eval
