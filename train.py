@@ -178,19 +178,20 @@ def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids
 STOP = {"signal": None}  # the first stop signal this rank received
 
 def on_signal(signum, frame):
-    # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once; a later
-    # SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
-    if STOP["signal"] is not None:
-        if signum == signal.SIGINT == STOP["signal"]:
-            raise SystemExit(128 + signum)
+    # Only note it: main() checkpoints at the end of the step. A second Ctrl-C leaves at once, past the
+    # exit hooks (torch's, midway through a compile, can end in a traceback); the last checkpoint is kept.
+    # A later SIGTERM (torchrun passes one on after a Ctrl-C) is ignored so that the save can finish.
+    again = signum == signal.SIGINT == STOP["signal"]
+    if STOP["signal"] is not None and not again:
         return
-    STOP["signal"] = signum
-    # os.write, not print: a signal that lands during a print would make print re-enter itself
-    note = f"\n{signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
-    try:
+    STOP["signal"], name = signum, signal.Signals(signum).name
+    note = "\ninterrupted\n" if again else f"\n{name}: saving a checkpoint at the end of this step\n"
+    try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
         os.write(sys.stdout.fileno(), note.encode())
     except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
         pass
+    if again:
+        os._exit(128 + signum)
 
 def show(text):
     """print. A reader gone away (`train.py | head`) stops the run as a signal does; another failed write

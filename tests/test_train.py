@@ -716,6 +716,26 @@ def test_a_reader_that_goes_away_stops_the_run_saved_first(train_data, tmp_path,
     assert logged_losses(out) == reference_run
 
 
+def test_a_second_ctrl_c_leaves_at_once_past_failing_exit_hooks(train_data, tmp_path):
+    """Ctrl-C, then Ctrl-C again mid-step: out at once, status 130, no traceback from an exit hook (torch's
+    can fail after a compile cut short: here one that raises stands in for it), the last checkpoint kept."""
+    out = tmp_path / "run"
+    code = "import atexit, sys, train; atexit.register(lambda: 1 / 0); sys.exit(train.run_main(train.main, sys.argv[1:]))"
+    slow_steps = ["--batch_tokens=131072", "--total_tokens=1310720", "--ckpt_interval=1"]  # 512 micro-steps each
+    proc = subprocess.Popen([sys.executable, "-c", code, f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS,
+                             *slow_steps], cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines = iter(proc.stdout.readline, "")
+    assert any(line.startswith("checkpoint: step 1") for line in lines)
+    proc.send_signal(signal.SIGINT)
+    assert any(line.startswith("SIGINT: saving") for line in lines)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert (proc.returncode, stderr) == (130, ""), stderr
+    assert stdout.strip() == "interrupted"
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 1
+
+
 @pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "experiments.compare"]])
 def test_ctrl_c_while_torch_is_imported_is_one_line(command):
     """SIGINT during a script's imports (seconds of torch loading): one line and status 130."""
