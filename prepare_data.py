@@ -7,8 +7,8 @@
 Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
 every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
-import argparse, difflib, functools, glob, gzip, hashlib, itertools, json, math, os, platform, re, shlex
-import signal, sys, sysconfig, tempfile, time
+import argparse, difflib, functools, glob, gzip, hashlib, itertools, json, logging, math, os, platform, re
+import shlex, signal, sys, sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
@@ -267,7 +267,8 @@ def file_documents(files):
 
 def _hub_documents(split):
     import datasets
-    datasets.logging.set_verbosity_error()
+    for name in ("datasets", "huggingface_hub"):  # offline, a warning per retry: the error says it once
+        logging.getLogger(name).setLevel(logging.ERROR)
     files = {"train": "train/*.jsonl.zst", "val": "val.jsonl.zst"}  # val is found only if named
     try:
         for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files=files,

@@ -23,7 +23,7 @@ How our model answers lm-eval (the LeviathanLM adapter below):
 - Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
   softmax: the tokenizer cannot produce them, so they must not take probability mass.
 """
-import glob, os, sys
+import glob, logging, os, sys
 
 import torch
 
@@ -283,6 +283,8 @@ def evaluate(args):
     model, tokenizer, step = load_model(args.out_dir, args.device)
     model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
     adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
+    # Out of the Hub's reach, its client retries each request with a warning per try: the error says it once
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=manager,
                                          limit=args.limit, log_samples=False)

@@ -341,6 +341,21 @@ def test_evaluate_bad_options_give_one_error_line(args, phrase, capsys):
 
 
 @needs_lm_eval
+def test_a_hub_out_of_reach_is_one_error_line_not_the_clients_retries(tmp_path):
+    """Without network (and without HF_HUB_OFFLINE), the Hub client retries each request with a warning
+    per try: only the error line is printed. The Hub is a closed local port here, the retries' waits cut."""
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    code = "import time, runpy; time.sleep = lambda s: None; runpy.run_module('experiments.evaluate', run_name='__main__')"
+    env = {**SCRIPT_ENV, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", code, f"--out_dir={run_dir}", "--tasks=piqa", "--limit=1"],
+                          cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: could not load a task's data")
+
+
+@needs_lm_eval
 def test_evaluate_bad_run_or_task_gives_one_error_line(tmp_path, capsys):
     run_dir = save_run(tmp_path / "run", random_model("lev"))
     (tmp_path / "empty").mkdir()

@@ -403,3 +403,16 @@ def test_an_unusable_tiktoken_cache_is_named(tmp_path):
     r = run_script("prepare_data.py", "--dataset=demo", f"--out_dir={tmp_path / 'out'}",
                    env={"TIKTOKEN_CACHE_DIR": str(tmp_path / "file")})
     assert_one_error_line(r.returncode, r.stderr, "TIKTOKEN_CACHE_DIR")
+
+
+def test_the_hub_out_of_reach_is_one_error_line_not_the_clients_retries(tmp_path):
+    """Without network (and without HF_HUB_OFFLINE), the Hub client retries each request with a warning
+    per try: only the error line is printed. The Hub is a closed local port here, the retries' waits cut."""
+    code = "import sys, time, prepare_data; time.sleep = lambda s: None; sys.exit(prepare_data.main())"
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HERE}
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", code, f"--out_dir={tmp_path / 'pile'}"], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: could not stream monology/pile-uncopyrighted")
