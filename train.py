@@ -3,10 +3,10 @@
     python train.py --size=tiny                       # CPU, minutes (data/demo); then --resume or --eval_only
     torchrun --nproc_per_node=8 train.py --size=1.2b  # DDP; add --nnodes/--rdzv_* for several nodes
 
-Each key of DEFAULTS is an option, --name=value (a bare --flag is true); DEFAULTS' comments say what each
-does, and a size (SIZES) sets its own values over tiny's.
+Each key of DEFAULTS is an option, --name=value (a bare --flag is true), and its comment says what it does;
+a size (SIZES) sets its own values over tiny's.
 """
-import argparse, datetime, importlib.util, inspect, json, math, os, re, signal, sys, time, zlib
+import argparse, datetime, importlib.util, json, math, os, re, signal, sys, time, zlib
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from types import SimpleNamespace
@@ -105,15 +105,13 @@ def parse_args(argv):
     """--name=value options -> {name: value} for the options given (--resume must know which)."""
     parser = ArgumentParser("train.py", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    sized = set().union(*SIZES.values())
     kinds = {"lr_input": float, "lr_head": float, "compile": bool, "bf16": bool}  # their default is None
     for name, default in DEFAULTS.items():
         kind = kinds.get(name, type(default))
-        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(
+        how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(  # --flag: --flag=true
             type=parse_number(kind) if kind in (int, float) else str)
-        sized_note = "; other sizes set their own" if name in sized else ""
         parser.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(), **how,
-                            help=f"default {default!r}{sized_note}")
+                            help=f"default {default!r}")
     return vars(parser.parse_args(argv))
 
 def check(c):
@@ -145,11 +143,10 @@ def resolve(given, saved=None):
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        # an option this train.py lacks: one left unset changes nothing, one set would be silently dropped
-        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:
+        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:  # else dropped, silently
             raise UserError(f"the checkpoint was trained with options this train.py lacks "
-                            f"({', '.join(unknown)}): resume it with the train.py that wrote it, or start a "
-                            "new run in another --out_dir")
+                            f"({', '.join(unknown)}): resume it with the train.py that wrote it, or start anew "
+                            "in another --out_dir")
         known = {k: v for k, v in saved.items() if k in DEFAULTS}
         return check(SimpleNamespace(**{**DEFAULTS, **known, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
@@ -194,9 +191,8 @@ def on_signal(signum, frame):
         os._exit(128 + signum)
 
 def show(text):
-    """print. A reader gone away (`train.py | head`) stops the run as a signal does; another failed write
-    does not (a closed terminal, EIO: its SIGHUP stops the run, unless ignored as under nohup). The rest
-    goes nowhere, and so does stderr if it shares the terminal or pipe."""
+    """print. A reader gone (`train.py | head`) stops the run as a signal does, a closed terminal (EIO) does
+    not (its SIGHUP does, unless ignored); output then goes nowhere, and stderr too if it is the same file."""
     try:
         print(text, flush=True)
     except OSError as e:
@@ -209,10 +205,8 @@ def show(text):
 
 # ---------------------------------------------------------------------------- set-up: device, DDP, data
 def setup_device(config):
-    """(device, rank, world size): torchrun's rank, or one process without its variables; the process group
-    joined. Two mistakes would train silently wrong, not fail: RANK left over in a shell (a rank outside the
-    world writes nothing, as only rank 0 saves), and srun starting copies of train.py without torchrun (each
-    alone, into one out_dir)."""
+    """(device, rank, world size) from torchrun's variables (one process without them), the group joined.
+    Refused, as silently wrong: RANK left over in a shell (a rank outside the world never saves)."""
     rank, world, local = (int(os.environ.get(name, default))
                           for name, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     if not 0 <= rank < world:
@@ -227,7 +221,6 @@ def setup_device(config):
         raise UserError("--device=cuda but no CUDA GPU is available; use --device=cpu")
     if config.bf16_allreduce and kind != "cuda":  # torch's bf16 hook: DDP takes it in CUDA builds only
         raise UserError("--bf16_allreduce needs CUDA GPUs (torch's bf16 hook); leave it off here")
-    backend = config.backend if config.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
     if config.deterministic:  # cuBLAS repeats its sums only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -237,18 +230,18 @@ def setup_device(config):
         torch.cuda.set_device(device)
     else:
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
+    backend = config.backend if config.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
     if world > 1 and not dist.is_initialized():  # 60 minutes: a slow disk may hold rank 0 long at a save
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60),
                                 device_id=device if backend == "nccl" else None)
     return device, rank, world
 
 def open_data(data_dir):
-    """meta.json, the shards of both splits (each read as used), each id's count in the training split and
-    its UTF-8 bytes (bits per byte without the tokenizer)."""
+    """meta.json, the shards of both splits (each read as used), each id's count in the training split, its
+    UTF-8 bytes (bits per byte without the tokenizer) and the fingerprint a resume compares."""
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
         command = (default_data(data_dir) or [None])[0]
-        hint = (f"run `{command}` first" if command
-                else "pass --data_dir=DIR, the --out_dir prepare_data.py wrote")
+        hint = f"run `{command}` first" if command else "pass --data_dir=DIR, prepare_data.py's --out_dir"
         raise UserError(f"no prepared data in {data_dir} (meta.json missing): {hint}")
     meta, splits = load_meta(data_dir), {}
     for split in ("train", "val"):
@@ -259,14 +252,16 @@ def open_data(data_dir):
         if not paths or listed and (listed.get("shards"), listed.get("tokens")) != found:
             raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json "
                             f"lists {listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
+    fingerprint = {split: {os.path.basename(s.filename): [len(s), zlib.crc32(s[:4096].tobytes())]
+                           for s in shards} for split, shards in splits.items()}  # length, crc32 of its start
     n_ids = meta["vocab_size"]
-    return meta, splits, load_counts(data_dir, n_ids), load_token_bytes(data_dir, n_ids)
+    return meta, splits, load_counts(data_dir, n_ids), load_token_bytes(data_dir, n_ids), fingerprint
 
 class Windows:
-    """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
-    is a target at most once per pass). Window p comes from a seeded shuffle per epoch, of the shards
-    then of each shard's windows: little memory for billions of tokens, and the same window p for any
-    world size, so the data position is the number of windows consumed."""
+    """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token is a
+    target at most once per pass). Window p comes from a seeded shuffle per epoch, of the shards then of each
+    shard's windows: little memory for billions of tokens, and the same window p for any world size, so the
+    data position is the number of windows consumed."""
 
     def __init__(self, shards, seq_len, seed, vocab_size):
         self.shards, self.seq_len, self.seed, self.vocab_size = shards, seq_len, seed, vocab_size
@@ -282,8 +277,7 @@ class Windows:
             self.ends = np.cumsum(self.sizes[self.shard_order])  # where each shard ends in the epoch
         k = int(np.searchsorted(self.ends, q, side="right"))
         if self.shard != k:
-            self.shard = k
-            shard = self.shard_order[k]
+            self.shard, shard = k, self.shard_order[k]
             rng = np.random.default_rng([self.seed, epoch, shard])
             self.window_order = rng.permutation(self.sizes[shard])
         start = int(self.window_order[q - (self.ends[k] - self.sizes[self.shard_order[k]])]) * self.seq_len
@@ -295,24 +289,23 @@ class Windows:
         intact header: a crash, or for LEV a padding row trained). Checked as read: a few MB a step."""
         window = shard[start:start + seq_len + 1]
         if window.max() >= vocab_size:
-            at = start + int(np.argmax(window >= vocab_size))
-            raise UserError(f"{shard.filename}: token {at:,} is id {int(shard[at])}, "
-                            f"beyond the vocabulary of {vocab_size:,} "
-                            "(damaged contents under an intact header); prepare the data again")
+            at = int(np.argmax(window >= vocab_size))
+            raise UserError(f"{shard.filename}: token {start + at:,} is id {int(window[at])}, beyond the "
+                            f"vocabulary of {vocab_size:,} (damaged contents under an intact header); "
+                            "prepare the data again")
         return window
 
 def keep_log_until(path, step):
-    """A resume keeps log.jsonl's records up to its checkpoint (a killed run may log past it); step 0 starts
-    afresh. A log is diagnostics, not state: a line that is no record (cut by a kill, edited) is dropped."""
-    records = []
-    for line in open(path, encoding="utf-8", errors="replace") if step and os.path.exists(path) else []:
+    """A resume keeps log.jsonl's records up to its checkpoint (a killed run may have logged past it). A log
+    is diagnostics, not state: a line that is no record (cut by a kill, edited) is dropped."""
+    def kept(line):
         try:
-            record = json.loads(line)
-            if record["step"] <= step:
-                records.append(record)
+            return json.loads(line)["step"] <= step
         except (ValueError, TypeError, KeyError):
-            pass
-    atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records), mode="w")
+            return False
+    lines = open(path, encoding="utf-8", errors="replace").readlines() if os.path.exists(path) else []
+    kept_lines = [line.rstrip("\n") + "\n" for line in lines if kept(line)]
+    atomic_write(path, lambda f: f.writelines(kept_lines), mode="w")
 
 def run_files(out_dir):
     """The files a train.py run writes that are in out_dir (sorted)."""
@@ -321,8 +314,7 @@ def run_files(out_dir):
                   if n in ("ckpt.pt", "config.json", "log.jsonl") or re.fullmatch(r"eval_step\d+\.json", n))
 
 def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
-    """A train.py checkpoint holding `keys`, memory-mapped on the CPU whatever saved it: only what is used is
-    read. Anything else (a save cut short, another file) is one error line."""
+    """A train.py checkpoint holding `keys`, memory-mapped on the CPU (only what is used is read)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         missing = [key for key in keys if key not in ckpt]
@@ -333,30 +325,51 @@ def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
         raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing)})")
     return ckpt
 
-def check_fit(ckpt, path, config, model_cfg, meta, data):
-    """A checkpoint must fit this model, this tokenizer and, resuming, this data (--eval_only may use other
-    data; a checkpoint of an older train.py has no fingerprint)."""
-    there, here, old = ckpt["model_config"], asdict(model_cfg), ckpt["data_meta"]
-    if there != here:
-        diff = ", ".join(f"{k}={there.get(k)} there, {here.get(k)} here" for k in {**there, **here}
-                         if there.get(k) != here.get(k))
-        raise UserError(f"{path} holds a different model ({diff}): data of another tokenizer or other model "
-                        "options; use the checkpoint's or another --out_dir")
+def check_fit(ckpt, path, config, meta, fingerprint):
+    """A checkpoint (whose options resolve() compared) must come from this tokenizer's data and, resuming,
+    from this data (--eval_only may use other data; a checkpoint of an older train.py has no fingerprint)."""
+    old = ckpt["data_meta"]
     if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
-        raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}) than "
-                        f"{config.data_dir} ({meta['tokenizer']})")
+        raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}, "
+                        f"{old.get('vocab_size')} ids) than {config.data_dir} ({meta['tokenizer']}, "
+                        f"{meta['vocab_size']} ids)")
     if not (config.resume and "data" in ckpt):
         return
     old, new = ({name: v for shards in d.values() for name, v in shards.items()}
-                for d in (ckpt["data"], data))
-    if changes := [f"{name} " + ("missing" if name not in new else "added" if name not in old
-                                 else "holds other tokens")
-                   for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]:
+                for d in (ckpt["data"], fingerprint))
+    changes = ([f"{name} missing" for name in sorted(old.keys() - new.keys())]
+               + [f"{name} added" for name in sorted(new.keys() - old.keys())]
+               + [f"{name} holds other tokens" for name in sorted(old.keys() & new.keys())
+                  if old[name] != new[name]])
+    if changes:
         raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)})"
                         ": resume on the data it was trained on, or start a new run with another --out_dir")
 
-def open_run(argv):
-    """Every check that can refuse the run, in order, before anything is written; then the run's state."""
+def build(run, ckpt):
+    """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
+    config, cuda = run.config, run.device.type == "cuda"
+    torch.manual_seed(config.seed)
+    run.raw_model = Model(run.model_config).to(run.device)
+    betas = (config.beta1, config.beta2)
+    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, betas, fused=cuda,
+                                                       lr_input=config.lr_input, lr_head=config.lr_head)
+    if ckpt is not None:  # no RNG state to restore: after the init above, no step draws a random number
+        run.raw_model.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])  # moves the moments onto the parameters' device
+        run.step = ckpt["step"]
+    run.autocast = precision(run.device, config.bf16)
+    run.compiled = config.compile if config.compile is not None else cuda
+    if run.compiled:
+        run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
+    run.model = run.raw_model
+    if run.world > 1:  # gradient_as_bucket_view: the gradients are DDP's buckets, not a second copy
+        run.model = torch.nn.parallel.DistributedDataParallel(
+            run.raw_model, device_ids=[run.device] if cuda else None, gradient_as_bucket_view=True)
+        if config.bf16_allreduce:
+            run.model.register_comm_hook(None, bf16_compress_hook)
+
+def set_up(argv):
+    """The run: every check that can refuse it, in order, before anything is written; then its state."""
     given = parse_args(argv)
     config = resolve(given)  # also fixes the default out_dir
     path, loading = os.path.join(config.out_dir, "ckpt.pt"), config.resume or config.eval_only
@@ -369,83 +382,42 @@ def open_run(argv):
     device, rank, world = setup_device(config)
     keys = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
     ckpt = load_checkpoint(path, keys) if loading else None
-    if ckpt is not None:
-        config = resolve(given, ckpt["train_config"])
-    meta, splits, counts, byte_lengths = open_data(config.data_dir)
+    config = resolve(given, ckpt["train_config"]) if loading else config
+    meta, splits, counts, byte_lengths, fingerprint = open_data(config.data_dir)
     model_cfg = model_config(config, meta["vocab_size"])
-    data = {split: {os.path.basename(s.filename):  # length and crc32 of its start: a resume compares them
-                    [len(s), zlib.crc32(np.ascontiguousarray(s[:4096]).tobytes())] for s in shards}
-            for split, shards in splits.items()}
-    if ckpt is not None:
-        check_fit(ckpt, path, config, model_cfg, meta, data)
-    per_step = world * config.micro_batch * config.seq_len
-    if config.batch_tokens % per_step:
-        raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over "
-                        f"world size {world} x micro_batch {config.micro_batch} x seq_len {config.seq_len} "
-                        f"= {per_step:,}; use a multiple of it")
-    seq_len, n_val = config.seq_len, max(1, config.eval_tokens // config.seq_len)
-    train = Windows(splits["train"], seq_len, config.seed, meta["vocab_size"])
+    if loading:
+        check_fit(ckpt, path, config, meta, fingerprint)
+    seq_len, n_val, n_ids = config.seq_len, max(1, config.eval_tokens // config.seq_len), meta["vocab_size"]
+    if config.batch_tokens % (per_step := world * config.micro_batch * seq_len):
+        raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x "
+                        f"micro_batch {config.micro_batch} x seq_len {seq_len} = {per_step:,}; use a "
+                        "multiple of it")
+    train = Windows(splits["train"], seq_len, config.seed, n_ids)
     # the validation windows: the first n_val of the val split, in order, the same tokens at every evaluation
     starts = [(s, i * seq_len) for s in splits["val"] for i in range((len(s) - 1) // seq_len)][:n_val]
-    val = [Windows.checked(s, start, seq_len, meta["vocab_size"]) for s, start in starts]
+    val = [Windows.checked(s, start, seq_len, n_ids) for s, start in starts]
     if train.total == 0 or not val:
-        raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
-    if rank == 0:  # the last step: the run folder is made only once everything else is right
-        os.makedirs(config.out_dir, exist_ok=True)
+        raise UserError(f"the data is shorter than one window of seq_len + 1 = {seq_len + 1} tokens")
     # counts: train-split count per id (frequency buckets); byte_lengths: UTF-8 bytes per id (bits per byte)
-    return SimpleNamespace(config=config, model_config=model_cfg, meta=meta, counts=counts, train=train,
-                           val=val, byte_lengths=byte_lengths, ckpt=ckpt,
-                           device=device, rank=rank, world=world, accum=config.batch_tokens // per_step,
-                           step=0, max_steps=config.total_tokens // config.batch_tokens,
-                           lev=model_cfg.embedding == "lev", wandb=None, data=data)
-
-def build(run):
-    """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
-    config, cuda = run.config, run.device.type == "cuda"
-    torch.manual_seed(config.seed)
-    run.raw_model = Model(run.model_config).to(run.device)
-    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay,
-                                                       (config.beta1, config.beta2), fused=cuda,
-                                                       lr_input=config.lr_input, lr_head=config.lr_head)
-    if run.ckpt is not None:  # no RNG state to restore: after the init above, no step draws a random number
-        run.raw_model.load_state_dict(run.ckpt["model"])
-        run.optimizer.load_state_dict(run.ckpt["optimizer"])  # moves the moments onto the parameters' device
-        run.step, run.ckpt = run.ckpt["step"], None  # let the full state dict go
-    run.autocast = precision(run.device, config.bf16)
-    run.compiled = config.compile if config.compile is not None else cuda
-    if run.compiled:
-        run.raw_model.compile()  # in place: raw_model keeps its state_dict keys and runs compiled
-    run.model = run.raw_model
-    if run.world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel
-        # The rotary tables are buffers every rank computes alike: DDP need not re-send them at each step
-        # (torch 2.13 renamed the option; older versions, down to 2.4, know only broadcast_buffers).
-        renamed = "forward_sync_buffers" in inspect.signature(ddp).parameters
-        no_buffer_sync = "forward_sync_buffers" if renamed else "broadcast_buffers"
-        run.model = ddp(run.raw_model, device_ids=[run.device] if cuda else None, **{no_buffer_sync: False},
-                        gradient_as_bucket_view=True)  # the gradients are DDP's buckets, not a second copy
-        if config.bf16_allreduce:
-            run.model.register_comm_hook(None, bf16_compress_hook)
-
-def set_up(argv):
-    """The run, built, its config printed and written."""
-    run = open_run(argv)
-    build(run)
-    config, params = run.config, run.raw_model.param_counts()
-    outputs = dict(train=vars(config), model=asdict(run.model_config))
-    if run.rank == 0:
+    run = SimpleNamespace(config=config, model_config=model_cfg, meta=meta, train=train, val=val,
+                          counts=counts, byte_lengths=byte_lengths, fingerprint=fingerprint, device=device,
+                          rank=rank, world=world, accum=config.batch_tokens // per_step, step=0, wandb=None,
+                          max_steps=config.total_tokens // config.batch_tokens, lev=config.embedding == "lev")
+    build(run, ckpt)
+    outputs, params = dict(train=vars(config), model=asdict(model_cfg)), run.raw_model.param_counts()
+    if rank == 0:  # the run folder is made only once everything else is right
         show(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
-        param_list = ", ".join(f"{k} {v:,}" for k, v in params.items())
-        show(f"parameters: {param_list}; {run.world} x {run.device.type}, {run.accum} micro-steps of "
-             f"{config.micro_batch} x {config.seq_len} per step")
+        show(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {world} x {device.type}, "
+             f"{run.accum} micro-steps of {config.micro_batch} x {seq_len} per step")
         if not config.eval_only:
+            os.makedirs(config.out_dir, exist_ok=True)
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
             keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
         if config.wandb_project:
             import wandb
-            run.wandb = wandb.init(project=config.wandb_project,
-                                   name=os.path.basename(os.path.abspath(config.out_dir)),
-                                   resume="allow", config=dict(outputs, params=params))
+            name = os.path.basename(os.path.abspath(config.out_dir))
+            run.wandb = wandb.init(project=config.wandb_project, name=name, resume="allow",
+                                   config=dict(outputs, params=params))
     return run
 
 # ---------------------------------------------------------------------------- one step, and its log line
@@ -458,14 +430,12 @@ def lr_at(step, config, max_steps):
     return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
 
 def to_batch(windows, device, lev):
-    """(inputs, targets, distinct) on the device; LEV's distinct_ids are found here, on the CPU, so that the
-    host need not wait for the GPU to know their number. To a GPU all go in one pinned, asynchronous copy."""
+    """(inputs, targets, distinct) on the device. LEV's distinct_ids are found here, on the CPU, so that the
+    host need not wait for the GPU to know their number; copies to a GPU are pinned, so asynchronous."""
     xy = torch.from_numpy(np.stack(windows).astype(np.int64))
     parts = [xy, *distinct_ids(xy[:, :-1])] if lev else [xy]
     if device.type == "cuda":
-        flat = torch.cat([part.flatten() for part in parts]).pin_memory().to(device, non_blocking=True)
-        pieces = flat.split([part.numel() for part in parts])
-        parts = [piece.view(part.shape) for piece, part in zip(pieces, parts)]
+        parts = [part.pin_memory().to(device, non_blocking=True) for part in parts]
     return parts[0][:, :-1], parts[0][:, 1:], (tuple(parts[1:]) if lev else None)
 
 def accumulate_gradients(run, windows):
@@ -525,11 +495,10 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
     step, config = run.step, run.config
     tokens_per_s = steps_done * config.batch_tokens / seconds
     eta = (run.max_steps - step) * seconds / steps_done
-    record = dict(type="train", step=step, loss=loss, lr=lr_at(step - 1, config, run.max_steps),
-                  grad_norm=grad_norm, tokens_seen=step * config.batch_tokens,
-                  tokens_per_s=tokens_per_s, eta_s=eta)
-    line = (f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-            f"{tokens_per_s:,.0f} tok/s")
+    lr = lr_at(step - 1, config, run.max_steps)
+    record = dict(type="train", step=step, loss=loss, lr=lr, grad_norm=grad_norm,
+                  tokens_seen=step * config.batch_tokens, tokens_per_s=tokens_per_s, eta_s=eta)
+    line = f"step {step}/{run.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s"
     if run.compiled:  # graphs compiled so far and graph breaks met: both stop growing after the first steps
         record.update(graphs=counters["stats"]["unique_graphs"],
                       graph_breaks=sum(counters["graph_break"].values()))
@@ -537,10 +506,10 @@ def log_step(run, loss, grad_norm, seconds, steps_done):
         record.update(peak_mem_gb=torch.cuda.max_memory_allocated(run.device) / 1e9,
                       peak_reserved_gb=torch.cuda.max_memory_reserved(run.device) / 1e9)
         line += f" | peak mem {record['peak_mem_gb']:.1f} GB ({record['peak_reserved_gb']:.1f} reserved)"
-    if peak := peak_flops(torch.cuda.get_device_name(run.device)) if run.device.type == "cuda" else None:
-        record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
-        line += f" | MFU {record['mfu']:.1%}"
-    show(line + f" | ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}")
+        if peak := peak_flops(torch.cuda.get_device_name(run.device)):
+            record["mfu"] = run.raw_model.flops_per_token() * tokens_per_s / (peak * run.world)
+            line += f" | MFU {record['mfu']:.1%}"
+    show(f"{line} | ETA {datetime.timedelta(seconds=round(eta))}")
     log_record(run, record)
 
 # ---------------------------------------------------------------------------- evaluation
@@ -560,9 +529,8 @@ def bucket_table(nats, tokens):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss, perplexity, bits per byte and the frequency table over the validation windows, reported by
-    rank 0: each rank takes every world_size-th, one all_reduce adds the sums. It runs raw_model: DDP's
-    forward syncs buffers, a collective that a rank with fewer windows would miss."""
+    """Loss, perplexity, bits per byte and the frequency table over the validation windows: each rank takes
+    every world_size-th, one all_reduce adds the sums (raw_model: DDP's forward would add collectives)."""
     model, micro_batch = run.raw_model, run.config.micro_batch
     n_buckets = 1 + len(str(max(1, int(run.counts.max()))))  # 0, then the decades up to the largest count
     nats, tokens, n_bytes = np.zeros(n_buckets), np.zeros(n_buckets), 0
@@ -582,8 +550,8 @@ def evaluate(run):
         dist.all_reduce(sums)
     nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
     loss = nats.sum() / tokens.sum()
-    result = dict(val_loss=float(loss), val_ppl=math.exp(loss),
-                  val_bpb=float(nats.sum() / (math.log(2) * n_bytes)),
+    bits_per_byte = float(nats.sum() / (math.log(2) * n_bytes))
+    result = dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=bits_per_byte,
                   eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
     if run.rank != 0:  # rank 0 prints it, writes eval_step<N>.json and logs it
         return result
@@ -600,92 +568,77 @@ def evaluate(run):
 
 # ---------------------------------------------------------------------------- checkpoints
 # ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens // seq_len
-# windows, and no step draws a random number (no RNG state). The write is synchronous, the simplest that is
-# safe: a 1.2b save (~15 GB at ~5 s/GB every 1,000 steps) costs ~12% of that run's time; a larger
-# --ckpt_interval spends less (a preemption still saves through its signal).
+# windows, and no step draws a random number. The write is synchronous, the simplest that is safe: ~12% of a
+# 1.2b run's time (~15 GB at ~5 s/GB every 1,000 steps); a larger --ckpt_interval spends less.
 def checkpoint(run):
-    """Rank 0 writes ckpt.pt; every rank learns whether the write failed, so that all stop alike."""
-    error, path, start = None, os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
-    if run.rank == 0:  # torch.save writes a tensor met twice (the tied table is also the head) once
-        state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-                     model_config=asdict(run.model_config), train_config=vars(run.config), data_meta=run.meta,
-                     data=run.data, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
-        try:  # atomic_write: a failed write (a full disk) keeps the previous checkpoint whole
-            atomic_write(path, lambda f: torch.save(state, f))
-        except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
-            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-            error = UserError(f"could not write {path} ({reason}); the previous checkpoint is kept")
-    failed = torch.tensor(float(error is not None), device=run.device)
-    if run.world > 1:
-        dist.broadcast(failed, 0)
-    if failed.item():
-        raise error or UserError("rank 0 could not write the checkpoint")
-    if run.rank == 0:
-        show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in "
-             f"{time.time() - start:.1f} s")
+    """Rank 0 writes ckpt.pt. A failed write (a full disk) is an error that keeps the previous one whole (its
+    rank exits, and torchrun stops the others)."""
+    if run.rank != 0:
+        return
+    path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
+    state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),  # tied table: once
+                 model_config=asdict(run.model_config), train_config=vars(run.config), data_meta=run.meta,
+                 data=run.fingerprint, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
+    try:
+        atomic_write(path, lambda f: torch.save(state, f))
+    except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise UserError(f"could not write {path} ({reason}); the previous checkpoint is kept") from None
+    show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
 
 def shut_down(code, together=True):
-    """Leave the process group, once every rank is done if together (rank 0's checkpoint written); returns
-    code. A rank alone (its set-up failed) cannot tear the group down, and gloo's teardown can deadlock on
-    the GIL (pytorch#56297): both exit at once, everything written flushed."""
+    """Returns code; under DDP exits with it, once every rank is done if together (rank 0's checkpoint
+    written). At once (os._exit, all written flushed): a rank alone (an error) cannot tear the process group
+    down, and gloo's teardown can deadlock on the GIL (pytorch#56297)."""
     if dist.is_initialized():
         if together:
             dist.barrier()
-        if dist.get_backend() == "gloo" or not together:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 # ------------------------------------------------------------------------- main: set-up, the loop, shut-down
 def main(argv):
+    run = None
     try:
         run = set_up(argv)
-    except UserError as e:  # on this rank (one node lacks a file, say): torchrun stops the others, naming it
-        print_error(e)
-        return shut_down(1, together=False)
-    config, code = run.config, 0
-    try:
+        config = run.config
         if config.eval_only:
             evaluate(run)
-        elif run.step >= run.max_steps:
-            show(f"the run is complete ({run.step} steps); nothing to do")
-        else:
-            for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP"):  # (Windows has no SIGUSR1 or SIGHUP)
-                signum = getattr(signal, name, None)
-                if signum and signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-                    signal.signal(signum, on_signal)
-            seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
-            while run.step < run.max_steps:
-                start = time.time()
-                loss, grad_norm, preempted = train_step(run)  # preempted: the signal that reached some rank
-                run.step, seconds, steps_timed = run.step + 1, seconds + time.time() - start, steps_timed + 1
-                last, stop = run.step == run.max_steps, preempted or run.step == config.stop_step
-                if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
-                    log_step(run, loss, grad_norm, seconds, steps_timed)
-                    seconds, steps_timed = 0.0, 0
-                # The save before an evaluation: a kill during it (or its first compile) then loses no step
-                if run.step % config.ckpt_interval == 0 or last or stop:
-                    checkpoint(run)
-                if (run.step % config.eval_interval == 0 or last) and not preempted:  # preempted: just save
-                    evaluate(run)
-                if stop:
-                    why = signal.Signals(preempted).name if preempted else f"--stop_step={config.stop_step}"
-                    if run.rank == 0:
-                        show(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
-                             "command plus --resume")
-                    code = 128 + preempted if preempted else 0  # every rank alike: torchrun sees one status
-                    break
-            else:
+            return shut_down(0)
+        for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP"):  # (Windows has no SIGUSR1 or SIGHUP)
+            signum = getattr(signal, name, None)
+            if signum and signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(signum, on_signal)
+        seconds, steps_timed = 0.0, 0  # for tokens/s: the time in train_step only
+        while run.step < run.max_steps:
+            start = time.time()
+            loss, grad_norm, preempted = train_step(run)  # preempted: the signal that reached some rank
+            run.step, seconds, steps_timed = run.step + 1, seconds + time.time() - start, steps_timed + 1
+            last, stop = run.step == run.max_steps, preempted or run.step == config.stop_step
+            if run.rank == 0 and (run.step % config.log_interval == 0 or last or stop):
+                log_step(run, loss, grad_norm, seconds, steps_timed)
+                seconds, steps_timed = 0.0, 0
+            # The save before an evaluation: a kill during it (or its first compile) then loses no step
+            if run.step % config.ckpt_interval == 0 or last or stop:
+                checkpoint(run)
+            if (run.step % config.eval_interval == 0 or last) and not preempted:  # preempted: just save
+                evaluate(run)
+            if stop:
+                why = signal.Signals(preempted).name if preempted else f"--stop_step={config.stop_step}"
                 if run.rank == 0:
-                    show(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
-                         f"checkpoint {config.out_dir}/ckpt.pt")
-    except UserError as e:  # raised on every rank alike: the loss and the checkpoint's outcome are shared
+                    show(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
+                         "command plus --resume")
+                return shut_down(128 + preempted if preempted else 0)  # all ranks alike: one status
         if run.rank == 0:
+            show(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
+                 f"checkpoint {config.out_dir}/ckpt.pt")
+        return shut_down(0)
+    except UserError as e:  # in set-up, this rank's own (torchrun stops the others, naming it); later, every
+        if run is None or run.rank == 0:  # rank's alike (the loss, the data) or rank 0's (its save)
             print_error(e)
-        code = 1
-    return shut_down(code)
+        return shut_down(1, together=False)
 
 if __name__ == "__main__":
     # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line

@@ -463,7 +463,7 @@ def grad_reference(data_dir, device, shape):
     text through train.py's accumulate_gradients, the model compiled under bf16 autocast, against the eager
     float32 model on both at once (LIMITS). The second, compiled pass is profiled for its attention kernels."""
     cfg, (micro_batch, seq_len) = shape_config(data_dir, shape), micro_batch_shape(shape)
-    meta, splits, _, _ = open_data(data_dir)
+    meta, splits, *_ = open_data(data_dir)
     train_windows = Windows(splits["train"], seq_len, 0, meta["vocab_size"])
     windows = [train_windows[p] for p in range(2 * micro_batch)]
     torch.manual_seed(0)
