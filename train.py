@@ -143,10 +143,9 @@ def resolve(given, saved=None):
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        if unknown := [k for k, v in saved.items() if k not in DEFAULTS and v]:  # else dropped, silently
-            raise UserError(f"the checkpoint was trained with options this train.py lacks "
-                            f"({', '.join(unknown)}): resume it with the train.py that wrote it, or start anew "
-                            "in another --out_dir")
+        if unknown := ", ".join(k for k, v in saved.items() if k not in DEFAULTS and v):  # else lost silently
+            raise UserError(f"the checkpoint was trained with options this train.py lacks ({unknown}): "
+                            "resume it with the train.py that wrote it, or start anew in another --out_dir")
         known = {k: v for k, v in saved.items() if k in DEFAULTS}
         return check(SimpleNamespace(**{**DEFAULTS, **known, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
@@ -557,10 +556,9 @@ def evaluate(run):
         return result
     show(f"eval step {run.step}: val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
          f"{result['val_bpb']:.4f} bits/byte | {result['eval_tokens']:,} tokens\n"
-         f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}")
-    for row in result["buckets"]:
-        if row["tokens"]:
-            show(f"  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}")
+         f"  {'train count':>13} {'tokens':>10} {'loss':>8} {'ppl':>12}" + "".join(
+             f"\n  {row['counts']:>13} {row['tokens']:>10,} {row['loss']:>8.4f} {row['ppl']:>12.2f}"
+             for row in result["buckets"] if row["tokens"]))
     record = dict(step=run.step, tokens_seen=run.step * run.config.batch_tokens, **result)
     write_json(os.path.join(run.config.out_dir, f"eval_step{run.step}.json"), record)
     log_record(run, dict(type="eval", **{k: v for k, v in record.items() if k != "buckets"}))
