@@ -95,16 +95,8 @@ def load_meta(data_dir):
         raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id; run prepare_data.py again")
     return meta
 
-def load_counts(data_dir, vocab_size):
-    """counts.npy, each id's count in the train split."""
-    return _load_per_id(data_dir, "counts.npy", vocab_size)
-
-def load_token_bytes(data_dir, vocab_size):
-    """token_bytes.npy, the UTF-8 bytes each id stands for: turns nats per token into bits per byte."""
-    return _load_per_id(data_dir, "token_bytes.npy", vocab_size)
-
-def _load_per_id(data_dir, name, vocab_size):
-    """A .npy array of one integer per id, checked now: before training, not at its first evaluation."""
+def load_per_id(data_dir, name, vocab_size):
+    """counts.npy or token_bytes.npy, one integer per id, checked now: before training, not at first use."""
     path = os.path.join(data_dir, name)
     try:
         array = np.load(path, allow_pickle=False)

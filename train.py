@@ -20,9 +20,8 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
-from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta,
-                          load_token_bytes, parse_bool, parse_number, print_error, read_shard, run_main,
-                          shard_paths, write_json)
+from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, load_per_id, parse_bool,
+                          parse_number, print_error, read_shard, run_main, shard_paths, write_json)
 
 # ---------------------------------------------------------------------------- the options and the sizes
 DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU; each size in SIZES sets its own values over these
@@ -260,7 +259,8 @@ def open_data(data_dir):
             raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json "
                             f"lists {listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
     n_ids = meta["vocab_size"]
-    return meta, splits, load_counts(data_dir, n_ids), load_token_bytes(data_dir, n_ids)
+    return (meta, splits, load_per_id(data_dir, "counts.npy", n_ids),
+            load_per_id(data_dir, "token_bytes.npy", n_ids))
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token
