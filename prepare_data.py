@@ -50,28 +50,24 @@ class Shard:
     def __len__(self):
         return self.n
     def __getitem__(self, index):
-        if not isinstance(index, slice):
-            return self.read(range(self.n)[index], 1)[0]  # range(): negative from the end, IndexError past it
-        start, stop, step = index.indices(self.n)
-        if step != 1:
+        picked = range(self.n)[index]  # as a list's: negative from the end, an int past it an IndexError
+        if isinstance(picked, int):
+            return self[picked:picked + 1][0]
+        if picked.step != 1:
             raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
-        return self.read(start, max(0, stop - start))  # a count of -1 would read to the end
+        offset = HEADER_BYTES + picked.start * self.dtype.itemsize
+        return np.fromfile(self.filename, self.dtype, len(picked), offset=offset)
     def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
-        return np.asarray(self.read(0, self.n), dtype)
-    def read(self, start, count):
-        offset = HEADER_BYTES + start * self.dtype.itemsize
-        return np.fromfile(self.filename, self.dtype, count, offset=offset)
+        return np.asarray(self[:], dtype)
 
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
-    path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
-    size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?); "
-                        f"{redo}")
-    magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
+    path, size = os.fspath(path), os.path.getsize(path)
+    header = np.fromfile(path, "<i4", 5) if size >= HEADER_BYTES else [0] * 5
+    magic, version, width, n, vocab = map(int, header)
     expected = HEADER_BYTES + n * width
-    for bad, why in [
+    for bad, why in [  # the first that applies
+            (size < HEADER_BYTES, f"{size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?)"),
             (magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
             (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
             (vocab <= 0 or width != token_dtype(vocab).itemsize,
@@ -79,7 +75,7 @@ def read_shard(path, vocab_size=None):
             (size != expected, f"{size} bytes, but its header promises {n} tokens = {expected} (truncated?)"),
             (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: another tokenizer's")]:
         if bad:
-            raise UserError(f"{path}: {why}; {redo}")
+            raise UserError(f"{path}: {why}; delete its folder and run prepare_data.py again")
     return Shard(path, token_dtype(vocab), n)
 
 def shard_paths(data_dir, split):
