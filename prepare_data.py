@@ -7,8 +7,8 @@
 Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
 every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
-import argparse, difflib, functools, glob, gzip, hashlib, itertools, json, logging, math, os, platform, re
-import shlex, signal, sys, sysconfig, tempfile, time
+import argparse, contextlib, difflib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
+import platform, re, shlex, signal, sys, sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
@@ -67,7 +67,7 @@ def read_shard(path, vocab_size=None):
     magic, version, width, n, vocab = map(int, header)
     expected = HEADER_BYTES + n * width
     for bad, why in [  # the first that applies
-            (size < HEADER_BYTES, f"{size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?)"),
+            (size < HEADER_BYTES, f"{size} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)"),
             (magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
             (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
             (vocab <= 0 or width != token_dtype(vocab).itemsize,
@@ -479,20 +479,17 @@ def run_main(command, argv=None, kept=""):
     if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        status = command(argv)
-    except UserError as e:
-        print_error(e)
-        return 1
+        return command(argv) or 0
     except KeyboardInterrupt:
         print("\ninterrupted" + kept, file=sys.stderr)
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
         return 0
-    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
-        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
+    except (UserError, OSError) as e:  # OSError: the environment, e.g. a path under a file, a full disk
+        print_error(e if isinstance(e, UserError) else
+                    f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
         return 1
-    return 0 if status is None else status
 
 def parse_bool(text):
     """The true/false rule of every option: --name=true or --name=false (also 1/0, yes/no, on/off)."""
@@ -503,14 +500,12 @@ def parse_bool(text):
 def parse_number(kind):
     """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
     def parse(text):
-        digits = text.replace("_", "")
-        try:
-            number = int(digits) if kind is int and digits.lstrip("+-").isdigit() else float(digits)
-            if kind is int and number != int(number):
-                raise ValueError
-            return kind(number)
-        except (ValueError, OverflowError):  # OverflowError: int('inf')
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        with contextlib.suppress(ValueError):  # int() reads 262_144 too, exactly however long
+            return kind(text)
+        with contextlib.suppress(ValueError):  # an int as 4.2e9, when whole: neither inf nor nan is
+            if kind is int and float(text).is_integer():
+                return int(float(text))
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}")
     return parse
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -520,10 +515,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         if message.startswith("unrecognized arguments"):  # a name from elsewhere: --dataset, --batch_size
             known = [o[2:] for o in self._option_string_actions if o.startswith("--")]
-            hints = []
-            for name in re.findall(r"--([\w-]+)", message):  # a known option of the same stem, if close
-                if close := difflib.get_close_matches(name, [k for k in known if k[:3] == name[:3]], 1, 0.5):
-                    hints.append(f"--{close[0]} for --{name}")
+            unknown = re.findall(r"--([\w-]+)", message)  # a known option of the same stem, if close: a hint
+            hints = [f"--{close} for --{name}" for name in unknown for close in difflib.get_close_matches(
+                name, [k for k in known if k[:3] == name[:3]], 1, 0.5)]
             message += f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise UserError(f"{message} (see python {self.prog} --help)")
 
@@ -534,17 +528,14 @@ def atomic_write(path, write, mode="wb"):
         with open(tmp, mode) as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # the bytes on disk before the rename makes them PATH's
         os.replace(tmp, path)
     except BaseException as e:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         if isinstance(e, OSError) and e.filename == tmp:
             e.filename = path  # the path the user gave, not its hidden temporary
         raise
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    os.fsync(folder)  # makes the rename itself durable
-    os.close(folder)
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
