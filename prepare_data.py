@@ -183,7 +183,7 @@ def demo_documents():
         # _sysconfigdata* describes this machine's build, not Python: it would make the corpus vary.
         paths += [os.path.join(root, f) for f in files
                   if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
-    for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
+    for path in sorted(paths):  # all under lib: sorted as their relative paths
         yield Path(path).read_text(encoding="utf-8", errors="replace")
     from pydoc_data.topics import topics
     yield from (topics[key] for key in sorted(topics))
@@ -223,15 +223,13 @@ def _zstd_lines(path, f):
 def _jsonl_texts(path):
     # Read here, not by datasets: its .zst reader ends silently where a file is cut short.
     with open(path, "rb") as f:
-        for line in _zstd_lines(path, f) if path.endswith(".zst") else f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError:  # JSONDecodeError or invalid UTF-8
-                    record = None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
-                yield record["text"]
+        for line in filter(bytes.strip, _zstd_lines(path, f) if path.endswith(".zst") else f):
+            record = None
+            with contextlib.suppress(ValueError):  # JSONDecodeError or invalid UTF-8: refused below
+                record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
+            yield record["text"]
 
 def _parquet_texts(path):
     """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
