@@ -287,32 +287,28 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
     shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default
-    def save(**position):  # after the shard's rename: progress.json never points past a whole shard
-        nonlocal filled
-        if filled:
-            path = os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin")
-            write_shard(path, shard[:filled], tok.n_vocab)
+    def save(tokens, **position):  # the shard, then progress.json: it never points past a whole shard
+        if len(tokens):
+            write_shard(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), tokens, tok.n_vocab)
             state.update(shards=state["shards"] + 1, **position)
-            filled = 0
         write_json(os.path.join(out_dir, "progress.json"), progress)
     def line(final=True):  # the time left shows while the total is known (--max_tokens)
         rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
-        left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
-            args.max_tokens and split == "train" and rate and not final) else ""
-        counted = f"{state['documents']:,} documents, {state['tokens']:,} tokens"
-        return f"{split}: {counted}, {rate:,.0f} tokens/s{left}"
+        known = args.max_tokens and split == "train" and rate and not final
+        return (f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s"
+                + (f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if known else ""))
 
     docs = ((index, text) for index, text in docs if index >= first)  # those before are in the shards
     for index, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
-        if pos == 0:  # else it began before the resume, and was counted then
-            state["documents"] += 1
+        state["documents"] += pos == 0  # else it began before the resume, and was counted then
         while pos < len(ids) and state["tokens"] < budget:
             take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
             shard[filled:filled + take] = ids[pos:pos + take]
             filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
             if filled == args.shard_tokens:
-                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+                save(shard, next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+                filled = 0
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
             print(line(final=False), file=sys.stderr, flush=True)
@@ -322,7 +318,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         raise UserError(f"the {split} split is empty: no tokens reached it (an empty corpus? --max_tokens or "
                         "--val_tokens below 1? for a tiny corpus raise --val_fraction or pass --val=PATH)")
     state["done"] = True
-    save()
+    save(shard[:filled])
     return line()
 
 def _count_ids(out_dir, vocab_size):
@@ -354,11 +350,10 @@ def _parse_args(argv):
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
     # Only what would fail late: a val split of every document leaves train empty once val is done; a
     # shard of 2**31 tokens fails as it is written, after they are encoded, and one of 0 never fills.
-    for option, bad, allowed in [
-            ("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
-            ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31), the header's int32 count")]:
-        if bad:
-            raise UserError(f"--{option}={getattr(args, option)}: must be {allowed}")
+    if not 0 < args.val_fraction <= 0.5 and not args.val:
+        raise UserError(f"--val_fraction={args.val_fraction}: must be in (0, 0.5]")
+    if not 0 < args.shard_tokens < 1 << 31:
+        raise UserError(f"--shard_tokens={args.shard_tokens}: must be in [1, 2**31), an int32 count")
     return args
 
 def _sources(args):
@@ -372,19 +367,17 @@ def _sources(args):
         desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
     else:  # named after the file, or a glob's folder
         train_files = find_files(args.dataset)
-        docs = functools.partial(file_documents, train_files)
-        desc = os.path.abspath(args.dataset)
+        docs, desc = functools.partial(file_documents, train_files), os.path.abspath(args.dataset)
         name = os.path.basename(args.dataset.rstrip("/"))
-        name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
+        name = os.path.basename(os.path.dirname(args.dataset)) if glob.has_magic(name) else name
         name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
         # a file in both splits: the validation loss would be measured on text the model trains on, silently
-        trained = {os.path.realpath(f) for f in train_files}
-        if shared := sorted(trained & {os.path.realpath(f) for f in val_files}):
-            raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val "
-                            "files of their own, or leave --val out (--val_fraction then holds out part of "
-                            "--dataset)")
+        trained = set(map(os.path.realpath, train_files))
+        if shared := sorted(trained.intersection(map(os.path.realpath, val_files))):
+            raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val its "
+                            "own files, or leave it out (then --val_fraction holds out part of --dataset)")
         val = functools.partial(file_documents, val_files)
     if args.dataset == "pile" or args.val:
         return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
@@ -406,6 +399,10 @@ def _load_progress(out_dir, config):
         changed = sorted(k for k in config if config[k] != progress["config"].get(k))
         raise UserError(f"{out_dir} holds data prepared with other settings ({', '.join(changed)}); use "
                         "another --out_dir or delete that folder")
+    for split in SPLITS:  # a shard lost since (a partial copy): a rerun would call the folder whole
+        if (have := len(shard_paths(out_dir, split))) < (wrote := progress["splits"][split]["shards"]):
+            raise UserError(f"{out_dir} holds {have} of the {wrote} {split} shards this command wrote there "
+                            "(a partial copy?): delete the folder and run the command again")
     return progress
 
 def prepare(argv=None):
@@ -421,15 +418,10 @@ def prepare(argv=None):
                   shard_tokens=args.shard_tokens, format_version=VERSION)
     os.makedirs(out_dir, exist_ok=True)
     progress = _load_progress(out_dir, config)
-    for split in SPLITS:  # a shard lost since (a partial copy): a rerun would call the folder whole
-        if (have := len(shard_paths(out_dir, split))) < (wrote := progress["splits"][split]["shards"]):
-            raise UserError(f"{out_dir} holds {have} of the {wrote} {split} shards this command wrote there "
-                            "(a partial copy?): delete the folder and run the command again")
-    complete = os.path.exists(os.path.join(out_dir, "meta.json")) and all(
-        progress["splits"][s]["done"] for s in SPLITS)
-    for split in SPLITS:
-        if not progress["splits"][split]["done"]:
-            print(_write_split(split, splits[split](), tok, args, out_dir, progress))
+    todo = [split for split in SPLITS if not progress["splits"][split]["done"]]
+    complete = not todo and os.path.exists(os.path.join(out_dir, "meta.json"))
+    for split in todo:
+        print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),
                             ("token_bytes.npy", lambda: tok.token_byte_lengths().astype(np.int32))]:
         path = os.path.join(out_dir, filename)
