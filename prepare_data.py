@@ -100,8 +100,7 @@ def load_per_id(data_dir, name, vocab_size):
         array = None  # missing (a folder older than the file), or not .npy at all
     if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
         raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there "
-                        f"and run prepare_data.py again, the command that made {data_dir} (its meta.json "
-                        "names it), which writes it")
+                        f"and run prepare_data.py again, the command in {data_dir}/meta.json: it writes it")
     return array
 
 # --------------------------------------------------------------------------------------------- the tokenizer
@@ -190,8 +189,7 @@ def demo_documents():
 
 SUFFIXES = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
 HUB_REPO = "monology/pile-uncopyrighted"
-# A fixed commit of that dataset, not its moving main branch: a resume skips, by their place in the
-# stream, the documents its shards hold, so every run must stream the same documents in the same order.
+# A fixed commit, not the moving main branch: a resume skips documents by their place in the stream.
 HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
 
 def find_files(spec, option="dataset"):
@@ -278,8 +276,7 @@ def _tokenized(tok, docs, workers, batch_docs=512):
 
 def _write_split(split, docs, tok, args, out_dir, progress):
     """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each shard,
-    progress.json records where the next starts (a document, and how many of its tokens are written): a rerun
-    resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
+    progress.json says where the next starts: a rerun resumes there, writing an uninterrupted run's bytes."""
     state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = args.val_tokens if split == "val" else args.max_tokens
     budget = math.inf if budget is None else budget  # a budget below 1 leaves the split empty: refused below
@@ -340,19 +337,16 @@ def _parse_args(argv):
     add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
     add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    add("--name", help="output folder name under data/ (default: from --dataset)")
-    add("--out_dir", help="output folder (default: data/NAME)")
+    add("--out_dir", help="output folder (default: data/pile, data/demo, or data/ + the file's or folder's name)")
     add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
-    # Only what would fail late: a val split of every document leaves train empty once val is done; a
-    # shard of 2**31 tokens fails as it is written, after they are encoded, and one of 0 never fills.
-    if not 0 < args.val_fraction <= 0.5 and not args.val:
+    if not 0 < args.val_fraction <= 0.5 and not args.val:  # all in val: train would be empty, found late
         raise UserError(f"--val_fraction={args.val_fraction}: must be in (0, 0.5]")
-    if not 0 < args.shard_tokens < 1 << 31:
+    if not 0 < args.shard_tokens < 1 << 31:  # 2**31 would fail once encoded, as it is written; 0 never fills
         raise UserError(f"--shard_tokens={args.shard_tokens}: must be in [1, 2**31), an int32 count")
     return args
 
@@ -411,7 +405,7 @@ def prepare(argv=None):
     args = _parse_args(argv)
     name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
     tok = get_tokenizer(args.tokenizer, args.vocab_size or None)
-    out_dir = args.out_dir or os.path.join("data", args.name or name)
+    out_dir = args.out_dir or os.path.join("data", name)
     # Everything that changes the bytes written; a rerun with other values must not resume.
     config = dict(source=source, tokenizer=args.tokenizer, vocab_size=args.vocab_size or None,
                   val_fraction=args.val_fraction, val_tokens=args.val_tokens, max_tokens=args.max_tokens,
