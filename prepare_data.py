@@ -337,7 +337,7 @@ def _parse_args(argv):
     add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
     add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    add("--out_dir", help="output folder (default: data/pile, data/demo, or data/ + the file's or folder's name)")
+    add("--out_dir", help="output folder (default: data/pile, data/demo, data/ + a file's or folder's name)")
     add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
