@@ -2,7 +2,7 @@
 
     python prepare_data.py                          # uncopyrighted Pile, Hugging Face Hub -> data/pile/
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
-    python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
+    python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.txt, glob, folder
 
 Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
 every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
@@ -187,7 +187,7 @@ def demo_documents():
     from pydoc_data.topics import topics
     yield from (topics[key] for key in sorted(topics))
 
-SUFFIXES = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
+SUFFIXES = (".jsonl.zst", ".jsonl", ".txt")
 HUB_REPO = "monology/pile-uncopyrighted"
 # A fixed commit, not the moving main branch: a resume skips documents by their place in the stream.
 HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
@@ -218,36 +218,22 @@ def _zstd_lines(path, f):
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
     yield tail
 
-def _jsonl_texts(path):
-    # Read here, not by datasets: its .zst reader ends silently where a file is cut short.
-    with open(path, "rb") as f:
-        for line in filter(bytes.strip, _zstd_lines(path, f) if path.endswith(".zst") else f):
-            record = None
-            with contextlib.suppress(ValueError):  # JSONDecodeError or invalid UTF-8: refused below
-                record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
-            yield record["text"]
-
-def _parquet_texts(path):
-    """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
-    import datasets
-    # Not Parquet, or no "text" column: a ValueError at once. A row without text may come hours in.
-    stream = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True,
-                                   batch_size=1024)
-    for row, record in enumerate(stream.select_columns(["text"])):
-        if not isinstance(record["text"], str):
-            raise UserError(f"{path}: row {row}: \"text\" is {record['text']!r}, not a string")
-        yield record["text"]
-
 def file_documents(files):
+    """A .txt file is one document; a .jsonl[.zst] file one per line, a record with a string "text"."""
+    # Read here, not by datasets: it costs a call and a lock per file, and its .zst reader ends silently
+    # where a file is cut short.
     for path in files:
-        if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock
+        if path.endswith(".txt"):
             yield Path(path).read_text(encoding="utf-8", errors="replace")
-        elif path.endswith(".parquet"):
-            yield from _parquet_texts(path)
-        else:
-            yield from _jsonl_texts(path)
+            continue
+        with open(path, "rb") as f:
+            for line in filter(bytes.strip, _zstd_lines(path, f) if path.endswith(".zst") else f):
+                record = None
+                with contextlib.suppress(ValueError):  # JSONDecodeError or invalid UTF-8: refused below
+                    record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
+                yield record["text"]
 
 def _hub_documents(split):
     import datasets
@@ -260,7 +246,7 @@ def _hub_documents(split):
             yield record["text"]
     except OSError as e:  # includes ConnectionError and requests' errors
         raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); without network, use "
-                        "--dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo") from None
+                        "--dataset=PATH (.jsonl/.jsonl.zst/.txt) or --dataset=demo") from None
 
 # ------------------------------------------------------------------------------ documents -> tokens -> shards
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds

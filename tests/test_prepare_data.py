@@ -36,17 +36,11 @@ def _write_zst(path, docs, frames=2):
             f.write(zstandard.ZstdCompressor().compress("".join(lines[i:i + cut]).encode()))
 
 
-def _write_parquet(path, docs):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=3)
-
-
 def _split_tokens(out_dir, split):
     return np.concatenate([np.asarray(prep.read_shard(p)) for p in prep.shard_paths(out_dir, split)])
 
 
-@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "parquet", "txt"])
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "txt"])
 def test_round_trip_local_formats(tmp_path, fmt):
     if fmt == "txt":  # one document per file: a folder of them
         (tmp_path / "corpus").mkdir()
@@ -56,9 +50,6 @@ def test_round_trip_local_formats(tmp_path, fmt):
     elif fmt == "jsonl.zst":
         src = tmp_path / "corpus.jsonl.zst"
         _write_zst(src, DOCS)
-    elif fmt == "parquet":
-        src = tmp_path / "corpus.parquet"
-        _write_parquet(src, DOCS)
     else:
         src = tmp_path / "corpus.jsonl"
         src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
