@@ -63,16 +63,15 @@ class Shard:
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
     path, size = os.fspath(path), os.path.getsize(path)
-    header = np.fromfile(path, "<i4", 5) if size >= HEADER_BYTES else [0] * 5
+    header = np.fromfile(path, "<i4", 5) if size >= HEADER_BYTES else [0] * 5  # too short: refused below
     magic, version, width, n, vocab = map(int, header)
-    expected = HEADER_BYTES + n * width
     for bad, why in [  # the first that applies
             (size < HEADER_BYTES, f"{size} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)"),
             (magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
             (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
             (vocab <= 0 or width != token_dtype(vocab).itemsize,
              f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
-            (size != expected, f"{size} bytes, but its header promises {n} tokens = {expected} (truncated?)"),
+            (size != HEADER_BYTES + n * width, f"{size} bytes, not the header's {n} tokens (truncated?)"),
             (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: another tokenizer's")]:
         if bad:
             raise UserError(f"{path}: {why}; delete its folder and run prepare_data.py again")
@@ -94,10 +93,9 @@ def load_meta(data_dir):
 def load_per_id(data_dir, name, vocab_size):
     """counts.npy or token_bytes.npy, one integer per id, checked now: before training, not at first use."""
     path = os.path.join(data_dir, name)
-    try:
+    array = None  # missing (a folder older than the file), or not .npy at all
+    with contextlib.suppress(ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it
         array = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
-        array = None  # missing (a folder older than the file), or not .npy at all
     if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
         raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there "
                         f"and run prepare_data.py again, the command in {data_dir}/meta.json: it writes it")
@@ -194,10 +192,8 @@ HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
 
 def find_files(spec, option="dataset"):
     """The files a PATH, glob or folder names (--option's), sorted so that document order is reproducible."""
-    if os.path.isdir(spec):
-        found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
-    else:  # a plain path globs to itself when it exists
-        found = glob.glob(spec, recursive=True)
+    found = ([os.path.join(root, f) for root, _, files in os.walk(spec) for f in files] if os.path.isdir(spec)
+             else glob.glob(spec, recursive=True))  # a plain path globs to itself when it exists
     if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
         raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there"
                         + (" (--dataset=demo needs no files)" if option == "dataset" else ""))
@@ -220,8 +216,7 @@ def _zstd_lines(path, f):
 
 def file_documents(files):
     """A .txt file is one document; a .jsonl[.zst] file one per line, a record with a string "text"."""
-    # Read here, not by datasets: it costs a call and a lock per file, and its .zst reader ends silently
-    # where a file is cut short.
+    # Read here, not by datasets: a call and a lock per file, and its .zst reader ends silently at a cut.
     for path in files:
         if path.endswith(".txt"):
             yield Path(path).read_text(encoding="utf-8", errors="replace")
@@ -280,7 +275,6 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         known = args.max_tokens and split == "train" and rate and not final
         return (f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s"
                 + (f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if known else ""))
-
     docs = ((index, text) for index, text in docs if index >= first)  # those before are in the shards
     for index, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
@@ -338,7 +332,7 @@ def _parse_args(argv):
 
 def _sources(args):
     """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
-    train_files = []  # --dataset's, when it names files
+    files, val = [], None  # --dataset's files, if it names some; the val split's own documents, if any
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
         docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
@@ -346,20 +340,19 @@ def _sources(args):
         name, docs = "demo", demo_documents
         desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
     else:  # named after the file, or a glob's folder
-        train_files = find_files(args.dataset)
-        docs, desc = functools.partial(file_documents, train_files), os.path.abspath(args.dataset)
+        files = find_files(args.dataset)
+        docs, desc = functools.partial(file_documents, files), os.path.abspath(args.dataset)
         name = os.path.basename(args.dataset.rstrip("/"))
         name = os.path.basename(os.path.dirname(args.dataset)) if glob.has_magic(name) else name
         name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
         # a file in both splits: the validation loss would be measured on text the model trains on, silently
-        trained = set(map(os.path.realpath, train_files))
-        if shared := sorted(trained.intersection(map(os.path.realpath, val_files))):
+        if shared := sorted(set(map(os.path.realpath, files)).intersection(map(os.path.realpath, val_files))):
             raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val its "
                             "own files, or leave it out (then --val_fraction holds out part of --dataset)")
         val = functools.partial(file_documents, val_files)
-    if args.dataset == "pile" or args.val:
+    if val:
         return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
     every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
     return name, f"{desc}; val: every {every}th document", {
