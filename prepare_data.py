@@ -202,13 +202,12 @@ def find_files(spec, option="dataset"):
 def _zstd_lines(path, f):
     # Frame by frame, so that a file cut short is an error, not a shorter corpus.
     import zstandard
-    dctx, frame, tail = zstandard.ZstdDecompressor(), None, b""
+    frame, tail = None, b""
     while data := f.read(1 << 20):
         while data:  # a .zst file may hold several frames back to back
-            frame = dctx.decompressobj() if frame is None or frame.eof else frame
-            chunk = frame.decompress(data)  # not zstd at all: a ZstdError at once
+            frame = zstandard.ZstdDecompressor().decompressobj() if frame is None or frame.eof else frame
+            *lines, tail = (tail + frame.decompress(data)).split(b"\n")  # not zstd at all: a ZstdError
             data = frame.unused_data if frame.eof else b""
-            *lines, tail = (tail + chunk).split(b"\n")
             yield from lines
     if frame and not frame.eof:
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
@@ -364,8 +363,7 @@ def _load_progress(out_dir, config):
     path = os.path.join(out_dir, "progress.json")
     if not os.path.exists(path):  # another command's shards would be overwritten
         if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
-            raise UserError(f"{out_dir} already holds shards not made by this command; use another --out_dir "
-                            "or delete them")
+            raise UserError(f"{out_dir} holds another command's shards: use another --out_dir or delete them")
         return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
     progress = read_json(path, f"delete {out_dir} and prepare it afresh")
     if progress["config"] != config:  # resumed, the folder would hold two datasets
@@ -477,10 +475,9 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(prog=prog, allow_abbrev=False, **kwargs)
     def error(self, message):
         if message.startswith("unrecognized arguments"):  # a name from elsewhere: --dataset, --batch_size
-            known = [o[2:] for o in self._option_string_actions if o.startswith("--")]
             unknown = re.findall(r"--([\w-]+)", message)  # a known option of the same stem, if close: a hint
             hints = [f"--{close} for --{name}" for name in unknown for close in difflib.get_close_matches(
-                name, [k for k in known if k[:3] == name[:3]], 1, 0.5)]
+                name, [o[2:] for o in self._option_string_actions if o.startswith("--" + name[:3])], 1, 0.5)]
             message += f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise UserError(f"{message} (see python {self.prog} --help)")
 
