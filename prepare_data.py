@@ -2,13 +2,13 @@
 
     python prepare_data.py                          # uncopyrighted Pile, Hugging Face Hub -> data/pile/
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
-    python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.parquet/.txt, glob, folder
+    python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.txt, glob, folder
 
 Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
 every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
-import argparse, difflib, functools, glob, gzip, hashlib, itertools, json, logging, math, os, platform, re
-import shlex, signal, sys, sysconfig, tempfile, time
+import argparse, contextlib, difflib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
+import platform, re, shlex, signal, sys, sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
@@ -50,36 +50,31 @@ class Shard:
     def __len__(self):
         return self.n
     def __getitem__(self, index):
-        if not isinstance(index, slice):
-            return self.read(range(self.n)[index], 1)[0]  # range(): negative from the end, IndexError past it
-        start, stop, step = index.indices(self.n)
-        if step != 1:
+        picked = range(self.n)[index]  # as a list's: negative from the end, an int past it an IndexError
+        if isinstance(picked, int):
+            return self[picked:picked + 1][0]
+        if picked.step != 1:
             raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
-        return self.read(start, max(0, stop - start))  # a count of -1 would read to the end
+        offset = HEADER_BYTES + picked.start * self.dtype.itemsize
+        return np.fromfile(self.filename, self.dtype, len(picked), offset=offset)
     def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
-        return np.asarray(self.read(0, self.n), dtype)
-    def read(self, start, count):
-        offset = HEADER_BYTES + start * self.dtype.itemsize
-        return np.fromfile(self.filename, self.dtype, count, offset=offset)
+        return np.asarray(self[:], dtype)
 
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
-    path, redo = os.fspath(path), "delete its folder and run prepare_data.py again"
-    size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise UserError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header (truncated?); "
-                        f"{redo}")
-    magic, version, width, n, vocab = (int(x) for x in np.fromfile(path, "<i4", 5))
-    expected = HEADER_BYTES + n * width
-    for bad, why in [
+    path, size = os.fspath(path), os.path.getsize(path)
+    header = np.fromfile(path, "<i4", 5) if size >= HEADER_BYTES else [0] * 5  # too short: refused below
+    magic, version, width, n, vocab = map(int, header)
+    for bad, why in [  # the first that applies
+            (size < HEADER_BYTES, f"{size} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)"),
             (magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
             (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
             (vocab <= 0 or width != token_dtype(vocab).itemsize,
              f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
-            (size != expected, f"{size} bytes, but its header promises {n} tokens = {expected} (truncated?)"),
+            (size != HEADER_BYTES + n * width, f"{size} bytes, not the header's {n} tokens (truncated?)"),
             (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: another tokenizer's")]:
         if bad:
-            raise UserError(f"{path}: {why}; {redo}")
+            raise UserError(f"{path}: {why}; delete its folder and run prepare_data.py again")
     return Shard(path, token_dtype(vocab), n)
 
 def shard_paths(data_dir, split):
@@ -95,25 +90,15 @@ def load_meta(data_dir):
         raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id; run prepare_data.py again")
     return meta
 
-def load_counts(data_dir, vocab_size):
-    """counts.npy, each id's count in the train split."""
-    return _load_per_id(data_dir, "counts.npy", vocab_size)
-
-def load_token_bytes(data_dir, vocab_size):
-    """token_bytes.npy, the UTF-8 bytes each id stands for: turns nats per token into bits per byte."""
-    return _load_per_id(data_dir, "token_bytes.npy", vocab_size)
-
-def _load_per_id(data_dir, name, vocab_size):
-    """A .npy array of one integer per id, checked now: before training, not at its first evaluation."""
+def load_per_id(data_dir, name, vocab_size):
+    """counts.npy or token_bytes.npy, one integer per id, checked now: before training, not at first use."""
     path = os.path.join(data_dir, name)
-    try:
+    array = None  # missing (a folder older than the file), or not .npy at all
+    with contextlib.suppress(ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it
         array = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it: not what to do here
-        array = None  # missing (a folder older than the file), or not .npy at all
     if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
         raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there "
-                        f"and run prepare_data.py again, the command that made {data_dir} (its meta.json "
-                        "names it), which writes it")
+                        f"and run prepare_data.py again, the command in {data_dir}/meta.json: it writes it")
     return array
 
 # --------------------------------------------------------------------------------------------- the tokenizer
@@ -195,23 +180,20 @@ def demo_documents():
         # _sysconfigdata* describes this machine's build, not Python: it would make the corpus vary.
         paths += [os.path.join(root, f) for f in files
                   if f.endswith(".py") and not f.startswith(("test_", "_sysconfigdata"))]
-    for path in sorted(paths, key=lambda p: os.path.relpath(p, lib)):
+    for path in sorted(paths):  # all under lib: sorted as their relative paths
         yield Path(path).read_text(encoding="utf-8", errors="replace")
     from pydoc_data.topics import topics
     yield from (topics[key] for key in sorted(topics))
 
-SUFFIXES = (".jsonl.zst", ".jsonl", ".parquet", ".txt")
+SUFFIXES = (".jsonl.zst", ".jsonl", ".txt")
 HUB_REPO = "monology/pile-uncopyrighted"
-# A fixed commit of that dataset, not its moving main branch: a resume skips, by their place in the
-# stream, the documents its shards hold, so every run must stream the same documents in the same order.
+# A fixed commit, not the moving main branch: a resume skips documents by their place in the stream.
 HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
 
 def find_files(spec, option="dataset"):
     """The files a PATH, glob or folder names (--option's), sorted so that document order is reproducible."""
-    if os.path.isdir(spec):
-        found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
-    else:  # a plain path globs to itself when it exists
-        found = glob.glob(spec, recursive=True)
+    found = ([os.path.join(root, f) for root, _, files in os.walk(spec) for f in files] if os.path.isdir(spec)
+             else glob.glob(spec, recursive=True))  # a plain path globs to itself when it exists
     if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
         raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there"
                         + (" (--dataset=demo needs no files)" if option == "dataset" else ""))
@@ -220,50 +202,32 @@ def find_files(spec, option="dataset"):
 def _zstd_lines(path, f):
     # Frame by frame, so that a file cut short is an error, not a shorter corpus.
     import zstandard
-    dctx, frame, tail = zstandard.ZstdDecompressor(), None, b""
+    frame, tail = None, b""
     while data := f.read(1 << 20):
         while data:  # a .zst file may hold several frames back to back
-            frame = dctx.decompressobj() if frame is None or frame.eof else frame
-            chunk = frame.decompress(data)  # not zstd at all: a ZstdError at once
+            frame = zstandard.ZstdDecompressor().decompressobj() if frame is None or frame.eof else frame
+            *lines, tail = (tail + frame.decompress(data)).split(b"\n")  # not zstd at all: a ZstdError
             data = frame.unused_data if frame.eof else b""
-            *lines, tail = (tail + chunk).split(b"\n")
             yield from lines
     if frame and not frame.eof:
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
     yield tail
 
-def _jsonl_texts(path):
-    # Read here, not by datasets: its .zst reader ends silently where a file is cut short.
-    with open(path, "rb") as f:
-        for line in _zstd_lines(path, f) if path.endswith(".zst") else f:
-            if line.strip():
-                try:
+def file_documents(files):
+    """A .txt file is one document; a .jsonl[.zst] file one per line, a record with a string "text"."""
+    # Read here, not by datasets: a call and a lock per file, and its .zst reader ends silently at a cut.
+    for path in files:
+        if path.endswith(".txt"):
+            yield Path(path).read_text(encoding="utf-8", errors="replace")
+            continue
+        with open(path, "rb") as f:
+            for line in filter(bytes.strip, _zstd_lines(path, f) if path.endswith(".zst") else f):
+                record = None
+                with contextlib.suppress(ValueError):  # JSONDecodeError or invalid UTF-8: refused below
                     record = json.loads(line)
-                except ValueError:  # JSONDecodeError or invalid UTF-8
-                    record = None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
                 yield record["text"]
-
-def _parquet_texts(path):
-    """A Parquet file's "text" column, streamed by datasets (so no Arrow copy lands in its cache)."""
-    import datasets
-    # Not Parquet, or no "text" column: a ValueError at once. A row without text may come hours in.
-    stream = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True,
-                                   batch_size=1024)
-    for row, record in enumerate(stream.select_columns(["text"])):
-        if not isinstance(record["text"], str):
-            raise UserError(f"{path}: row {row}: \"text\" is {record['text']!r}, not a string")
-        yield record["text"]
-
-def file_documents(files):
-    for path in files:
-        if path.endswith(".txt"):  # one document per file, read here: datasets would cost a call and a lock
-            yield Path(path).read_text(encoding="utf-8", errors="replace")
-        elif path.endswith(".parquet"):
-            yield from _parquet_texts(path)
-        else:
-            yield from _jsonl_texts(path)
 
 def _hub_documents(split):
     import datasets
@@ -276,7 +240,7 @@ def _hub_documents(split):
             yield record["text"]
     except OSError as e:  # includes ConnectionError and requests' errors
         raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); without network, use "
-                        "--dataset=PATH (.jsonl/.jsonl.zst/.parquet/.txt) or --dataset=demo") from None
+                        "--dataset=PATH (.jsonl/.jsonl.zst/.txt) or --dataset=demo") from None
 
 # ------------------------------------------------------------------------------ documents -> tokens -> shards
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
@@ -292,8 +256,7 @@ def _tokenized(tok, docs, workers, batch_docs=512):
 
 def _write_split(split, docs, tok, args, out_dir, progress):
     """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each shard,
-    progress.json records where the next starts (a document, and how many of its tokens are written): a rerun
-    resumes there, re-encoding nothing before it, and writes the bytes an uninterrupted run does."""
+    progress.json says where the next starts: a rerun resumes there, writing an uninterrupted run's bytes."""
     state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = args.val_tokens if split == "val" else args.max_tokens
     budget = math.inf if budget is None else budget  # a budget below 1 leaves the split empty: refused below
@@ -301,32 +264,27 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     if state["shards"]:
         print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
     shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default
-    def save(**position):  # after the shard's rename: progress.json never points past a whole shard
-        nonlocal filled
-        if filled:
-            path = os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin")
-            write_shard(path, shard[:filled], tok.n_vocab)
+    def save(tokens, **position):  # the shard, then progress.json: it never points past a whole shard
+        if len(tokens):
+            write_shard(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), tokens, tok.n_vocab)
             state.update(shards=state["shards"] + 1, **position)
-            filled = 0
         write_json(os.path.join(out_dir, "progress.json"), progress)
     def line(final=True):  # the time left shows while the total is known (--max_tokens)
         rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
-        left = f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if (
-            args.max_tokens and split == "train" and rate and not final) else ""
-        counted = f"{state['documents']:,} documents, {state['tokens']:,} tokens"
-        return f"{split}: {counted}, {rate:,.0f} tokens/s{left}"
-
+        known = args.max_tokens and split == "train" and rate and not final
+        return (f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s"
+                + (f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if known else ""))
     docs = ((index, text) for index, text in docs if index >= first)  # those before are in the shards
     for index, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
-        if pos == 0:  # else it began before the resume, and was counted then
-            state["documents"] += 1
+        state["documents"] += pos == 0  # else it began before the resume, and was counted then
         while pos < len(ids) and state["tokens"] < budget:
             take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
             shard[filled:filled + take] = ids[pos:pos + take]
             filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
             if filled == args.shard_tokens:
-                save(next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+                save(shard, next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+                filled = 0
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
             print(line(final=False), file=sys.stderr, flush=True)
@@ -336,7 +294,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         raise UserError(f"the {split} split is empty: no tokens reached it (an empty corpus? --max_tokens or "
                         "--val_tokens below 1? for a tiny corpus raise --val_fraction or pass --val=PATH)")
     state["done"] = True
-    save()
+    save(shard[:filled])
     return line()
 
 def _count_ids(out_dir, vocab_size):
@@ -358,26 +316,22 @@ def _parse_args(argv):
     add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
     add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
-    add("--name", help="output folder name under data/ (default: from --dataset)")
-    add("--out_dir", help="output folder (default: data/NAME)")
+    add("--out_dir", help="output folder (default: data/pile, data/demo, data/ + a file's or folder's name)")
     add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
-    # Only what would fail late: a val split of every document leaves train empty once val is done; a
-    # shard of 2**31 tokens fails as it is written, after they are encoded, and one of 0 never fills.
-    for option, bad, allowed in [
-            ("val_fraction", not 0 < args.val_fraction <= 0.5 and not args.val, "in (0, 0.5]"),
-            ("shard_tokens", not 0 < args.shard_tokens < 1 << 31, "in [1, 2**31), the header's int32 count")]:
-        if bad:
-            raise UserError(f"--{option}={getattr(args, option)}: must be {allowed}")
+    if not 0 < args.val_fraction <= 0.5 and not args.val:  # all in val: train would be empty, found late
+        raise UserError(f"--val_fraction={args.val_fraction}: must be in (0, 0.5]")
+    if not 0 < args.shard_tokens < 1 << 31:  # 2**31 would fail once encoded, as it is written; 0 never fills
+        raise UserError(f"--shard_tokens={args.shard_tokens}: must be in [1, 2**31), an int32 count")
     return args
 
 def _sources(args):
     """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
-    train_files = []  # --dataset's, when it names files
+    files, val = [], None  # --dataset's files, if it names some; the val split's own documents, if any
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
         docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
@@ -385,22 +339,19 @@ def _sources(args):
         name, docs = "demo", demo_documents
         desc = f"Python {platform.python_version()} standard library + pydoc_data.topics"
     else:  # named after the file, or a glob's folder
-        train_files = find_files(args.dataset)
-        docs = functools.partial(file_documents, train_files)
-        desc = os.path.abspath(args.dataset)
+        files = find_files(args.dataset)
+        docs, desc = functools.partial(file_documents, files), os.path.abspath(args.dataset)
         name = os.path.basename(args.dataset.rstrip("/"))
-        name = os.path.basename(os.path.dirname(args.dataset)) if any(c in name for c in "*?[") else name
+        name = os.path.basename(os.path.dirname(args.dataset)) if glob.has_magic(name) else name
         name = functools.reduce(str.removesuffix, SUFFIXES, name)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
         # a file in both splits: the validation loss would be measured on text the model trains on, silently
-        trained = {os.path.realpath(f) for f in train_files}
-        if shared := sorted(trained & {os.path.realpath(f) for f in val_files}):
-            raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val "
-                            "files of their own, or leave --val out (--val_fraction then holds out part of "
-                            "--dataset)")
+        if shared := sorted(set(map(os.path.realpath, files)).intersection(map(os.path.realpath, val_files))):
+            raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val its "
+                            "own files, or leave it out (then --val_fraction holds out part of --dataset)")
         val = functools.partial(file_documents, val_files)
-    if args.dataset == "pile" or args.val:
+    if val:
         return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
     every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
     return name, f"{desc}; val: every {every}th document", {
@@ -412,14 +363,17 @@ def _load_progress(out_dir, config):
     path = os.path.join(out_dir, "progress.json")
     if not os.path.exists(path):  # another command's shards would be overwritten
         if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
-            raise UserError(f"{out_dir} already holds shards not made by this command; use another --out_dir "
-                            "or delete them")
+            raise UserError(f"{out_dir} holds another command's shards: use another --out_dir or delete them")
         return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
     progress = read_json(path, f"delete {out_dir} and prepare it afresh")
     if progress["config"] != config:  # resumed, the folder would hold two datasets
         changed = sorted(k for k in config if config[k] != progress["config"].get(k))
         raise UserError(f"{out_dir} holds data prepared with other settings ({', '.join(changed)}); use "
                         "another --out_dir or delete that folder")
+    for split in SPLITS:  # a shard lost since (a partial copy): a rerun would call the folder whole
+        if (have := len(shard_paths(out_dir, split))) < (wrote := progress["splits"][split]["shards"]):
+            raise UserError(f"{out_dir} holds {have} of the {wrote} {split} shards this command wrote there "
+                            "(a partial copy?): delete the folder and run the command again")
     return progress
 
 def prepare(argv=None):
@@ -428,22 +382,17 @@ def prepare(argv=None):
     args = _parse_args(argv)
     name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
     tok = get_tokenizer(args.tokenizer, args.vocab_size or None)
-    out_dir = args.out_dir or os.path.join("data", args.name or name)
+    out_dir = args.out_dir or os.path.join("data", name)
     # Everything that changes the bytes written; a rerun with other values must not resume.
     config = dict(source=source, tokenizer=args.tokenizer, vocab_size=args.vocab_size or None,
                   val_fraction=args.val_fraction, val_tokens=args.val_tokens, max_tokens=args.max_tokens,
                   shard_tokens=args.shard_tokens, format_version=VERSION)
     os.makedirs(out_dir, exist_ok=True)
     progress = _load_progress(out_dir, config)
-    for split in SPLITS:  # a shard lost since (a partial copy): a rerun would call the folder whole
-        if (have := len(shard_paths(out_dir, split))) < (wrote := progress["splits"][split]["shards"]):
-            raise UserError(f"{out_dir} holds {have} of the {wrote} {split} shards this command wrote there "
-                            "(a partial copy?): delete the folder and run the command again")
-    complete = os.path.exists(os.path.join(out_dir, "meta.json")) and all(
-        progress["splits"][s]["done"] for s in SPLITS)
-    for split in SPLITS:
-        if not progress["splits"][split]["done"]:
-            print(_write_split(split, splits[split](), tok, args, out_dir, progress))
+    todo = [split for split in SPLITS if not progress["splits"][split]["done"]]
+    complete = not todo and os.path.exists(os.path.join(out_dir, "meta.json"))
+    for split in todo:
+        print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),
                             ("token_bytes.npy", lambda: tok.token_byte_lengths().astype(np.int32))]:
         path = os.path.join(out_dir, filename)
@@ -491,20 +440,17 @@ def run_main(command, argv=None, kept=""):
     if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        status = command(argv)
-    except UserError as e:
-        print_error(e)
-        return 1
+        return command(argv) or 0
     except KeyboardInterrupt:
         print("\ninterrupted" + kept, file=sys.stderr)
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
         return 0
-    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
-        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
+    except (UserError, OSError) as e:  # OSError: the environment, e.g. a path under a file, a full disk
+        print_error(e if isinstance(e, UserError) else
+                    f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
         return 1
-    return 0 if status is None else status
 
 def parse_bool(text):
     """The true/false rule of every option: --name=true or --name=false (also 1/0, yes/no, on/off)."""
@@ -515,14 +461,12 @@ def parse_bool(text):
 def parse_number(kind):
     """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
     def parse(text):
-        digits = text.replace("_", "")
-        try:
-            number = int(digits) if kind is int and digits.lstrip("+-").isdigit() else float(digits)
-            if kind is int and number != int(number):
-                raise ValueError
-            return kind(number)
-        except (ValueError, OverflowError):  # OverflowError: int('inf')
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        with contextlib.suppress(ValueError):  # int() reads 262_144 too, exactly however long
+            return kind(text)
+        with contextlib.suppress(ValueError):  # an int as 4.2e9, when whole: neither inf nor nan is
+            if kind is int and float(text).is_integer():
+                return int(float(text))
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}")
     return parse
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -531,11 +475,9 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(prog=prog, allow_abbrev=False, **kwargs)
     def error(self, message):
         if message.startswith("unrecognized arguments"):  # a name from elsewhere: --dataset, --batch_size
-            known = [o[2:] for o in self._option_string_actions if o.startswith("--")]
-            hints = []
-            for name in re.findall(r"--([\w-]+)", message):  # a known option of the same stem, if close
-                if close := difflib.get_close_matches(name, [k for k in known if k[:3] == name[:3]], 1, 0.5):
-                    hints.append(f"--{close[0]} for --{name}")
+            unknown = re.findall(r"--([\w-]+)", message)  # a known option of the same stem, if close: a hint
+            hints = [f"--{close} for --{name}" for name in unknown for close in difflib.get_close_matches(
+                name, [o[2:] for o in self._option_string_actions if o.startswith("--" + name[:3])], 1, 0.5)]
             message += f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise UserError(f"{message} (see python {self.prog} --help)")
 
@@ -546,17 +488,14 @@ def atomic_write(path, write, mode="wb"):
         with open(tmp, mode) as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # the bytes on disk before the rename makes them PATH's
         os.replace(tmp, path)
     except BaseException as e:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         if isinstance(e, OSError) and e.filename == tmp:
             e.filename = path  # the path the user gave, not its hidden temporary
         raise
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    os.fsync(folder)  # makes the rename itself durable
-    os.close(folder)
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")

@@ -20,9 +20,8 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
-from prepare_data import (ArgumentParser, UserError, atomic_write, load_counts, load_meta,
-                          load_token_bytes, parse_bool, parse_number, print_error, read_shard, run_main,
-                          shard_paths, write_json)
+from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, load_per_id, parse_bool,
+                          parse_number, print_error, read_shard, run_main, shard_paths, write_json)
 
 # ---------------------------------------------------------------------------- the options and the sizes
 DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU; each size in SIZES sets its own values over these
@@ -254,7 +253,8 @@ def open_data(data_dir):
     fingerprint = {split: {os.path.basename(s.filename): [len(s), zlib.crc32(s[:4096].tobytes())]
                            for s in shards} for split, shards in splits.items()}  # length, crc32 of its start
     n_ids = meta["vocab_size"]
-    return meta, splits, load_counts(data_dir, n_ids), load_token_bytes(data_dir, n_ids), fingerprint
+    counts, byte_lengths = (load_per_id(data_dir, name, n_ids) for name in ("counts.npy", "token_bytes.npy"))
+    return meta, splits, counts, byte_lengths, fingerprint
 
 class Windows:
     """Training sequences: windows of seq_len + 1 tokens every seq_len tokens of each shard (a token is a

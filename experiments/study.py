@@ -5,7 +5,7 @@ experiments/study.md.
 Run from the repository root:
 
     python prepare_data.py --dataset=demo                                  # data/demo (8,192 ids)
-    python prepare_data.py --dataset=demo --vocab_size=32768 --name=demo32k
+    python prepare_data.py --dataset=demo --vocab_size=32768 --out_dir=data/demo32k
     python -m experiments.study prepare       # data/<name>-tune and data/<name>-final (val cut in two)
     python -m experiments.study sweep tune final vocab32k long edges retuned [--deadline=HH:MM]
     python -m experiments.study sweep width64 width128 width256 tune-long compare-long   # the second part
@@ -205,7 +205,7 @@ def prepare(sources=("data/demo", "data/demo32k")):
         if not os.path.isfile(os.path.join(source, "meta.json")):
             name = os.path.basename(source)
             raise UserError(f"{source} is missing: run `python prepare_data.py --dataset=demo"
-                            + ("" if name == "demo" else f" --vocab_size=32768 --name={name}") + "` first")
+                            + ("" if name == "demo" else f" --vocab_size=32768 --out_dir={source}") + "` first")
         prepare_one(source)
 
 

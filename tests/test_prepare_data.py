@@ -36,17 +36,11 @@ def _write_zst(path, docs, frames=2):
             f.write(zstandard.ZstdCompressor().compress("".join(lines[i:i + cut]).encode()))
 
 
-def _write_parquet(path, docs):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=3)
-
-
 def _split_tokens(out_dir, split):
     return np.concatenate([np.asarray(prep.read_shard(p)) for p in prep.shard_paths(out_dir, split)])
 
 
-@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "parquet", "txt"])
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "txt"])
 def test_round_trip_local_formats(tmp_path, fmt):
     if fmt == "txt":  # one document per file: a folder of them
         (tmp_path / "corpus").mkdir()
@@ -56,9 +50,6 @@ def test_round_trip_local_formats(tmp_path, fmt):
     elif fmt == "jsonl.zst":
         src = tmp_path / "corpus.jsonl.zst"
         _write_zst(src, DOCS)
-    elif fmt == "parquet":
-        src = tmp_path / "corpus.parquet"
-        _write_parquet(src, DOCS)
     else:
         src = tmp_path / "corpus.jsonl"
         src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
@@ -226,7 +217,7 @@ def test_demo_prepares_the_builtin_corpus(tmp_path):
     assert len(train_tokens) == meta["splits"]["train"]["tokens"] and train_tokens.max() < 8192
     assert (train_tokens == 8191).sum() == meta["splits"]["train"]["documents"]
     assert np.load(tmp_path / "demo" / "counts.npy").sum() == len(train_tokens)
-    token_bytes = prep.load_token_bytes(tmp_path / "demo", meta["vocab_size"])
+    token_bytes = prep.load_per_id(tmp_path / "demo", "token_bytes.npy", meta["vocab_size"])
     assert token_bytes.dtype == np.int32
     assert np.array_equal(token_bytes, tokenizer_from_meta(meta).token_byte_lengths())
     assert "import" in tokenizer_from_meta(meta).decode(train_tokens[:2000])
@@ -371,14 +362,14 @@ def test_a_complete_folder_prepared_again_writes_nothing(tmp_path, monkeypatch, 
 
 
 def test_a_folder_without_token_bytes_is_refused_and_its_command_adds_it(tmp_path, capsys):
-    """token_bytes.npy is newer than some data folders: load_token_bytes refuses one that lacks it in
+    """token_bytes.npy is newer than some data folders: load_per_id refuses one that lacks it in
     one line, and the command that made the folder, run again over it, adds it (the same bytes)."""
     args = ["--dataset=demo", f"--out_dir={tmp_path / 'demo'}", "--workers=1"]
     assert prep.main(args) == 0
     path, vocab_size = tmp_path / "demo" / "token_bytes.npy", prep.load_meta(tmp_path / "demo")["vocab_size"]
     made, shards = path.read_bytes(), {p: p.read_bytes() for p in (tmp_path / "demo").glob("*.bin")}
     path.unlink()
-    code = prep.run_main(lambda argv: prep.load_token_bytes(tmp_path / "demo", vocab_size), [])
+    code = prep.run_main(lambda argv: prep.load_per_id(tmp_path / "demo", "token_bytes.npy", vocab_size), [])
     assert_one_error_line(code, capsys.readouterr().err, str(path), "run prepare_data.py again")
     assert prep.main(args) == 0
     assert path.read_bytes() == made
