@@ -277,7 +277,8 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     docs = ((index, text) for index, text in docs if index >= first)  # those before are in the shards
     for index, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
-        state["documents"] += pos == 0  # else it began before the resume, and was counted then
+        if pos == 0:  # else it began before the resume, and was counted then
+            state["documents"] += 1
         while pos < len(ids) and state["tokens"] < budget:
             take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
             shard[filled:filled + take] = ids[pos:pos + take]
@@ -447,9 +448,11 @@ def run_main(command, argv=None, kept=""):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
         return 0
-    except (UserError, OSError) as e:  # OSError: the environment, e.g. a path under a file, a full disk
-        print_error(e if isinstance(e, UserError) else
-                    f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
+    except UserError as e:
+        print_error(e)
+        return 1
+    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
+        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
         return 1
 
 def parse_bool(text):

@@ -327,10 +327,11 @@ def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
 def check_fit(ckpt, path, config, meta, fingerprint):
     """A checkpoint (whose options resolve() compared) must come from this tokenizer's data and, resuming,
     from this data (--eval_only may use other data; a checkpoint of an older train.py has no fingerprint)."""
-    old = ckpt["data_meta"]
-    if any(old.get(k) != meta.get(k) for k in ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")):
-        raise UserError(f"{path} was trained on data of another tokenizer ({old.get('tokenizer')}, "
-                        f"{old.get('vocab_size')} ids) than {config.data_dir} ({meta['tokenizer']}, "
+    trained = ckpt["data_meta"]
+    tokenizer_keys = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
+    if any(trained.get(k) != meta.get(k) for k in tokenizer_keys):
+        raise UserError(f"{path} was trained on data of another tokenizer ({trained.get('tokenizer')}, "
+                        f"{trained.get('vocab_size')} ids) than {config.data_dir} ({meta['tokenizer']}, "
                         f"{meta['vocab_size']} ids)")
     if not (config.resume and "data" in ckpt):
         return
