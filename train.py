@@ -7,7 +7,7 @@ Each key of DEFAULTS is an option, --name=value (a bare --flag is true), and its
 a size (SIZES) sets its own values over tiny's.
 """
 import argparse, datetime, importlib.util, json, math, os, re, signal, sys, time, zlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, fields
 from types import SimpleNamespace
 import numpy as np
@@ -50,11 +50,8 @@ DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU; each size in SIZES sets its
     lr=3e-3,  # the backbone's peak rate
     lr_input=None,  # x lr for LEV or the input table (None: LR_SCALES)
     lr_head=None,  # x lr for the untied head (None: LR_SCALES)
-    warmup_steps=30,  # linear warmup, then cosine decay...
-    min_lr_frac=0.1,  # ...to min_lr_frac * lr at the last step
-    weight_decay=0.1,  # on the matrices only
-    beta1=0.9,
-    beta2=0.95,
+    warmup_steps=30,  # linear warmup, then cosine decay to lr / 10 (lr_at)
+    weight_decay=0.1,  # on the matrices only; betas (0.9, 0.95), GPT-3's
     grad_clip=1.0,  # on the gradients' global norm
     seed=1337,  # the model's init and the data order
     # evaluation, log, checkpoint: every *_interval steps and at the end
@@ -74,10 +71,8 @@ DEFAULTS = dict(  # tiny's: minutes on a 2-core CPU; each size in SIZES sets its
     deterministic=False,  # bit-identical reruns and resumes (CUDA: slower)
     wandb_project="",  # log to Weights & Biases there
 )
-# The paper's sizes: its v1 batch (512 x 512) and v2 budgets (~20 tokens per parameter); conservative
-# GPT-3/Pythia rates (it publishes none; LEV's product spikes at too high a rate). Heads of 128 dims and the
-# depth that brings the *tied* model (embedding included, as the paper counts) closest to its size with
-# o200k_base: 203.2M, 397.6M, 1.219B.
+# The paper's sizes: its batch and token budgets, GPT-3/Pythia rates (it publishes none), heads of 128 dims
+# and the depth that brings the *tied* model closest to its size with o200k_base (README, "The backbone").
 PAPER = dict(data_dir="data/pile", seq_len=512, lev_heads=8, lev_rank=64, batch_tokens=512 * 512,
              micro_batch=16, warmup_steps=1000, eval_interval=1000, eval_tokens=1 << 22, ckpt_interval=1000)
 SIZES = {  # each size: the options it sets over DEFAULTS
@@ -92,9 +87,6 @@ LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 3
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
              "1.2b": {"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}}
-# The sizes' data folders: the command that makes each, and its tokenizer's ids (to check the shape early).
-DATA = {"data/demo": ("python prepare_data.py --dataset=demo", 8192),
-        "data/pile": ("python prepare_data.py", 200_019)}
 # On --resume these may change freely; every other option changes the loss curve and must match.
 RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
                "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16",
@@ -109,8 +101,7 @@ def parse_args(argv):
         kind = kinds.get(name, type(default))
         how = dict(type=parse_bool, nargs="?", const=True) if kind is bool else dict(  # --flag: --flag=true
             type=parse_number(kind) if kind in (int, float) else str)
-        parser.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar=kind.__name__.upper(), **how,
-                            help=f"default {default!r}")
+        parser.add_argument(f"--{name}", default=argparse.SUPPRESS, help=f"default {default!r}", **how)
     return vars(parser.parse_args(argv))
 
 def check(c):
@@ -123,9 +114,7 @@ def check(c):
     rules = [*((k, v[k] in kinds, f"one of {', '.join(kinds)}") for k, kinds in choices.items()),
              *((k, 0 < v[k] < math.inf, "> 0") for k in positive),
              *((k, 0 <= v[k] < math.inf, ">= 0") for k in ("warmup_steps", "weight_decay", "stop_step")),
-             *((k, 0 <= v[k] < 1, "in [0, 1) (a decay)") for k in ("beta1", "beta2")),
              ("seed", 0 <= c.seed < 2**63, "in [0, 2**63)"),
-             ("min_lr_frac", 0 <= c.min_lr_frac <= 1, "in [0, 1] (a fraction of --lr)"),
              ("total_tokens", c.total_tokens >= c.batch_tokens, "at least one step (--batch_tokens)"),
              ("lr_head", c.embedding != "tied" or c.lr_head == 1.0,
               "1 in the tied arm, whose table is the head; use --lr_input"),
@@ -149,21 +138,13 @@ def resolve(given, saved=None):
         return check(SimpleNamespace(**{**DEFAULTS, **known, **given}))
     size, arm = given.get("size", "tiny"), given.get("embedding", "lev")
     lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check() says
-    config = check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input,
-                                      "lr_head": lr_head, "out_dir": os.path.join("out", f"{size}-{arm}"),
-                                      **given}))
-    if data := default_data(config.data_dir):
-        model_config(config, data[1])  # the model's shape, before any data is read
-    return config
-
-def default_data(data_dir):  # a size's own data folder: its DATA entry (None for another folder)
-    return DATA.get(os.path.normpath(data_dir).replace(os.sep, "/"))
+    return check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input,
+                                    "lr_head": lr_head, "out_dir": f"out/{size}-{arm}", **given}))
 
 def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids ids
-    shape = {f.name: getattr(config, f.name) for f in fields(Config)
-             if f.name not in ("vocab_size", "embedding")}
+    shape = {f.name: getattr(config, f.name) for f in fields(Config) if f.name != "vocab_size"}
     try:
-        return Config(vocab_size=padded_vocab(n_ids), embedding=config.embedding, **shape)
+        return Config(vocab_size=padded_vocab(n_ids), **shape)
     except ValueError as e:  # Config's own words, as an option: "lev_knots=1: ..." -> "--lev_knots=1: ..."
         raise UserError(f"--{e}") from None
 
@@ -181,10 +162,8 @@ def on_signal(signum, frame):
         return
     STOP["signal"], name = signum, signal.Signals(signum).name
     note = "\ninterrupted\n" if again else f"\n{name}: saving a checkpoint at the end of this step\n"
-    try:  # os.write, not print: a signal that lands during a print would make print re-enter itself
-        os.write(sys.stdout.fileno(), note.encode())
-    except OSError:  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
-        pass
+    with suppress(OSError):  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
+        os.write(sys.stdout.fileno(), note.encode())  # not print, which a signal amid a print would re-enter
     if again:
         os._exit(128 + signum)
 
@@ -237,19 +216,14 @@ def setup_device(config):
 def open_data(data_dir):
     """meta.json, the shards of both splits (each read as used), each id's count in the training split, its
     UTF-8 bytes (bits per byte without the tokenizer) and the fingerprint a resume compares."""
-    if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        command = (default_data(data_dir) or [None])[0]
-        hint = f"run `{command}` first" if command else "pass --data_dir=DIR, prepare_data.py's --out_dir"
-        raise UserError(f"no prepared data in {data_dir} (meta.json missing): {hint}")
     meta, splits = load_meta(data_dir), {}
     for split in ("train", "val"):
-        paths = shard_paths(data_dir, split)
-        splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
-        found, listed = (len(paths), sum(map(len, splits[split]))), meta.get("splits", {}).get(split, {})
+        splits[split] = [read_shard(path, meta["vocab_size"]) for path in shard_paths(data_dir, split)]
+        found, listed = (len(splits[split]), sum(map(len, splits[split]))), meta["splits"][split]
         # a shard lost in a copy would train on less data, silently: the count must be what prepare_data wrote
-        if not paths or listed and (listed.get("shards"), listed.get("tokens")) != found:
+        if found != (listed["shards"], listed["tokens"]):
             raise UserError(f"{data_dir} holds {found[0]} {split} shards of {found[1]:,} tokens, meta.json "
-                            f"lists {listed.get('shards')} of {listed.get('tokens')}: prepare the data again")
+                            f"lists {listed['shards']} of {listed['tokens']:,}: prepare the data again")
     fingerprint = {split: {os.path.basename(s.filename): [len(s), zlib.crc32(s[:4096].tobytes())]
                            for s in shards} for split, shards in splits.items()}  # length, crc32 of its start
     n_ids = meta["vocab_size"]
@@ -289,19 +263,17 @@ class Windows:
         window = shard[start:start + seq_len + 1]
         if window.max() >= vocab_size:
             at = int(np.argmax(window >= vocab_size))
-            raise UserError(f"{shard.filename}: token {start + at:,} is id {int(window[at])}, beyond the "
-                            f"vocabulary of {vocab_size:,} (damaged contents under an intact header); "
-                            "prepare the data again")
+            raise UserError(f"{shard.filename}: token {start + at:,} is id {int(window[at])}, past the "
+                            f"vocabulary of {vocab_size:,} (a damaged shard): prepare the data again")
         return window
 
 def keep_log_until(path, step):
     """A resume keeps log.jsonl's records up to its checkpoint (a killed run may have logged past it). A log
     is diagnostics, not state: a line that is no record (cut by a kill, edited) is dropped."""
     def kept(line):
-        try:
+        with suppress(ValueError, TypeError, KeyError):
             return json.loads(line)["step"] <= step
-        except (ValueError, TypeError, KeyError):
-            return False
+        return False
     lines = open(path, encoding="utf-8", errors="replace").readlines() if os.path.exists(path) else []
     kept_lines = [line.rstrip("\n") + "\n" for line in lines if kept(line)]
     atomic_write(path, lambda f: f.writelines(kept_lines), mode="w")
@@ -314,6 +286,8 @@ def run_files(out_dir):
 
 def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
     """A train.py checkpoint holding `keys`, memory-mapped on the CPU (only what is used is read)."""
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint {path} (not found): train first, or pass a train.py run's --out_dir")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         missing = [key for key in keys if key not in ckpt]
@@ -326,32 +300,23 @@ def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
 
 def check_fit(ckpt, path, config, meta, fingerprint):
     """A checkpoint (whose options resolve() compared) must come from this tokenizer's data and, resuming,
-    from this data (--eval_only may use other data; a checkpoint of an older train.py has no fingerprint)."""
-    trained = ckpt["data_meta"]
-    tokenizer_keys = ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
-    if any(trained.get(k) != meta.get(k) for k in tokenizer_keys):
+    from this very data (--eval_only may use other data)."""
+    trained, keys = ckpt["data_meta"], ("tokenizer", "tokenizer_vocab_size", "vocab_size", "eot_id")
+    if any(trained.get(k) != meta.get(k) for k in keys):
         raise UserError(f"{path} was trained on data of another tokenizer ({trained.get('tokenizer')}, "
                         f"{trained.get('vocab_size')} ids) than {config.data_dir} ({meta['tokenizer']}, "
                         f"{meta['vocab_size']} ids)")
-    if not (config.resume and "data" in ckpt):
-        return
-    old, new = ({name: v for shards in d.values() for name, v in shards.items()}
-                for d in (ckpt["data"], fingerprint))
-    changes = ([f"{name} missing" for name in sorted(old.keys() - new.keys())]
-               + [f"{name} added" for name in sorted(new.keys() - old.keys())]
-               + [f"{name} holds other tokens" for name in sorted(old.keys() & new.keys())
-                  if old[name] != new[name]])
-    if changes:
-        raise UserError(f"the data in {config.data_dir} changed since {path} was saved ({', '.join(changes)})"
-                        ": resume on the data it was trained on, or start a new run with another --out_dir")
+    if config.resume and ckpt["data"] != fingerprint:
+        raise UserError(f"the data in {config.data_dir} changed since {path} was saved (its shards, their "
+                        "lengths or first tokens): resume on the data it was trained on, or start anew in "
+                        "another --out_dir")
 
 def build(run, ckpt):
     """raw_model (the module saved and optimised, restored when resuming) and model, the form that runs it."""
     config, cuda = run.config, run.device.type == "cuda"
     torch.manual_seed(config.seed)
     run.raw_model = Model(run.model_config).to(run.device)
-    betas = (config.beta1, config.beta2)
-    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, betas, fused=cuda,
+    run.optimizer = run.raw_model.configure_optimizers(config.lr, config.weight_decay, fused=cuda,
                                                        lr_input=config.lr_input, lr_head=config.lr_head)
     if ckpt is not None:  # no RNG state to restore: after the init above, no step draws a random number
         run.raw_model.load_state_dict(ckpt["model"])
@@ -373,9 +338,6 @@ def set_up(argv):
     given = parse_args(argv)
     config = resolve(given)  # also fixes the default out_dir
     path, loading = os.path.join(config.out_dir, "ckpt.pt"), config.resume or config.eval_only
-    if loading and not os.path.exists(path):
-        flag = "resume" if config.resume else "eval_only"
-        raise UserError(f"no checkpoint {path}; train first (without --{flag}), or pass the run's --out_dir")
     if not loading and (written := run_files(config.out_dir)):  # a new run would start over them
         raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume "
                         "to continue it (from its ckpt.pt), or choose another --out_dir")
@@ -390,8 +352,7 @@ def set_up(argv):
     seq_len, n_val, n_ids = config.seq_len, max(1, config.eval_tokens // config.seq_len), meta["vocab_size"]
     if config.batch_tokens % (per_step := world * config.micro_batch * seq_len):
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x "
-                        f"micro_batch {config.micro_batch} x seq_len {seq_len} = {per_step:,}; use a "
-                        "multiple of it")
+                        f"micro_batch {config.micro_batch} x seq_len {seq_len} = {per_step:,}")
     train = Windows(splits["train"], seq_len, config.seed, n_ids)
     # the validation windows: the first n_val of the val split, in order, the same tokens at every evaluation
     starts = [(s, i * seq_len) for s in splits["val"] for i in range((len(s) - 1) // seq_len)][:n_val]
@@ -415,19 +376,18 @@ def set_up(argv):
             keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
         if config.wandb_project:
             import wandb
-            name = os.path.basename(os.path.abspath(config.out_dir))
-            run.wandb = wandb.init(project=config.wandb_project, name=name, resume="allow",
-                                   config=dict(outputs, params=params))
+            run.wandb = wandb.init(project=config.wandb_project, config=dict(outputs, params=params),
+                                   name=os.path.basename(os.path.abspath(config.out_dir)), resume="allow")
     return run
 
 # ---------------------------------------------------------------------------- one step, and its log line
 def lr_at(step, config, max_steps):
-    """Linear warmup to lr, then cosine decay to min_lr_frac * lr at the last step."""
+    """Linear warmup to lr, then cosine decay to lr / 10 at the last step (GPT-3's and Chinchilla's floor)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, max_steps - config.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return config.lr * (config.min_lr_frac + (1 - config.min_lr_frac) * cosine)
+    return config.lr * (0.1 + 0.9 * cosine)
 
 def to_batch(windows, device, lev):
     """(inputs, targets, distinct) on the device. LEV's distinct_ids are found here, on the CPU, so that the
@@ -549,9 +509,8 @@ def evaluate(run):
     if run.world > 1:
         dist.all_reduce(sums)
     nats, tokens, n_bytes = sums[:n_buckets].cpu().numpy(), sums[n_buckets:-1].cpu().numpy(), sums[-1].item()
-    loss = nats.sum() / tokens.sum()
-    bits_per_byte = float(nats.sum() / (math.log(2) * n_bytes))
-    result = dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=bits_per_byte,
+    loss, bits_per_byte = nats.sum() / tokens.sum(), nats.sum() / (math.log(2) * n_bytes)
+    result = dict(val_loss=float(loss), val_ppl=math.exp(loss), val_bpb=float(bits_per_byte),
                   eval_tokens=int(tokens.sum()), buckets=bucket_table(nats, tokens))
     if run.rank != 0:  # rank 0 prints it, writes eval_step<N>.json and logs it
         return result
@@ -567,8 +526,7 @@ def evaluate(run):
 
 # ---------------------------------------------------------------------------- checkpoints
 # ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens // seq_len
-# windows, and no step draws a random number. The write is synchronous, the simplest that is safe: ~12% of a
-# 1.2b run's time (~15 GB at ~5 s/GB every 1,000 steps); a larger --ckpt_interval spends less.
+# windows, and no step draws a random number. The write is synchronous, the simplest that is safe (README).
 def checkpoint(run):
     """Rank 0 writes ckpt.pt. A failed write (a full disk) is an error that keeps the previous one whole (its
     rank exits, and torchrun stops the others)."""
@@ -586,9 +544,8 @@ def checkpoint(run):
     show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
 
 def shut_down(code, together=True):
-    """Returns code; under DDP exits with it, once every rank is done if together (rank 0's checkpoint
-    written). At once (os._exit, all written flushed): a rank alone (an error) cannot tear the process group
-    down, and gloo's teardown can deadlock on the GIL (pytorch#56297)."""
+    """Returns code; under DDP exits with it at once (os._exit, output flushed), after every rank if together:
+    a rank alone (an error) cannot tear the process group down, and gloo's can deadlock (pytorch#56297)."""
     if dist.is_initialized():
         if together:
             dist.barrier()
@@ -631,8 +588,7 @@ def main(argv):
                          "command plus --resume")
                 return shut_down(128 + preempted if preempted else 0)  # all ranks alike: one status
         if run.rank == 0:
-            show(f"done: {run.step} steps, {run.step * config.batch_tokens:,} tokens; "
-                 f"checkpoint {config.out_dir}/ckpt.pt")
+            show(f"done: {run.step} steps; checkpoint {config.out_dir}/ckpt.pt")
         return shut_down(0)
     except UserError as e:  # in set-up, this rank's own (torchrun stops the others, naming it); later, every
         if run is None or run.rank == 0:  # rank's alike (the loss, the data) or rank 0's (its save)

@@ -29,15 +29,19 @@ import torch.nn.functional as F
 from experiments import runs
 from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Model, generate, linear_cross_entropy, padded_vocab
 from prepare_data import ArgumentParser, UserError, demo_documents, get_tokenizer, parse_number, run_main
-from train import DATA, model_config, resolve
+from train import model_config, resolve
 
 PREPARE_DATA = os.path.join(runs.ROOT, "prepare_data.py")
+
+
+# The ids of each size's data folder: prepare_data.py's demo vocabulary and o200k_base's.
+DATA_IDS = {"data/demo": 8192, "data/pile": 200_019}
 
 
 def size_model(size, **overrides):
     """The model of a size in train.SIZES, on its own data's vocabulary, with some fields changed."""
     config = resolve({"size": size})
-    return dataclasses.replace(model_config(config, DATA[config.data_dir][1]), **overrides)
+    return dataclasses.replace(model_config(config, DATA_IDS[config.data_dir]), **overrides)
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -45,7 +49,7 @@ def real_token_batch(tokenizer, batch, seq_len):
     which is what LEV's cost depends on, is realistic (random ids would inflate it)."""
     ids = []
     for doc in demo_documents():
-        ids += tokenizer.encode(doc) + [tokenizer.eot]
+        ids += tokenizer.encode_ordinary(doc) + [tokenizer.eot_token]
         if len(ids) > batch * (seq_len + 1):
             break
     return torch.tensor(ids[:batch * (seq_len + 1)]).view(batch, seq_len + 1)
@@ -207,7 +211,7 @@ def bench_data(args, device):
     rates = {"tiktoken": [], "prepare_data": []}
     for _ in range(args.repeats):  # interleaved, like the model benchmark
         start = time.perf_counter()
-        encoded = tokenizer.enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())
+        encoded = tokenizer.encode_ordinary_batch(docs, num_threads=os.cpu_count())
         rates["tiktoken"].append((sum(map(len, encoded)) + len(docs)) / (time.perf_counter() - start))
         with tempfile.TemporaryDirectory() as out_dir:
             result = subprocess.run([sys.executable, PREPARE_DATA, "--dataset=demo", f"--out_dir={out_dir}"],

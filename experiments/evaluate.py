@@ -85,8 +85,8 @@ class LeviathanLM(LM):
 
     def _windows(self, context, text):
         """The windows that score `text` after end-of-text and `context`."""
-        prefix = [self.tokenizer.eot] + self.tokenizer.encode(context)
-        return scoring_windows(prefix, self.tokenizer.encode(text), self.seq_len)
+        prefix = [self.tokenizer.eot_token] + self.tokenizer.encode_ordinary(context)
+        return scoring_windows(prefix, self.tokenizer.encode_ordinary(text), self.seq_len)
 
     def generate_until(self, requests):
         tasks = sorted({str(request.task_name) for request in requests})
@@ -108,7 +108,7 @@ class LeviathanLM(LM):
     @torch.no_grad()
     def _score_batch(self, windows):
         width = max(len(tokens) for tokens, _ in windows) - 1
-        inputs = torch.full((len(windows), width), self.tokenizer.eot, dtype=torch.long)
+        inputs = torch.full((len(windows), width), self.tokenizer.eot_token, dtype=torch.long)
         for row, (tokens, _) in enumerate(windows):
             inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
         with precision(self._device, self.bf16):  # the training precision

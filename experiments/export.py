@@ -105,8 +105,7 @@ def llama_config(transformers, cfg, tok, step):
         raise UserError(f"model_config field(s) {', '.join(unknown)} have no LlamaForCausalLM equivalent "
                         "known to this export (a newer leviathan.py?); not exported")
     record = dict(embedding=cfg.embedding, step=step, model_config=dataclasses.asdict(cfg), n_valid=tok.n_vocab,
-                  tokenizer=tok.name,
-                  tokenizer_vocab_size=tok.truncated_to,
+                  tokenizer=tok.name,  # o200k_base_first8192: o200k_base cut to 8,192 ids
                   input_side={"lev": "LEV frozen into a [V, D] table (Model.freeze_lev)",
                               "tied": "the tied table (lm_head tied to it)",
                               "untied": "the untied input table"}[cfg.embedding])
@@ -116,8 +115,8 @@ def llama_config(transformers, cfg, tok, step):
         head_dim=cfg.d_model // cfg.n_head, hidden_act="silu", max_position_embeddings=cfg.seq_len,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         attention_bias=False, mlp_bias=False, tie_word_embeddings=cfg.embedding == "tied",
-        bos_token_id=tok.eot, eos_token_id=tok.eot, pad_token_id=None, architectures=["LlamaForCausalLM"],
-        dtype="float32", **{MARK: record})
+        bos_token_id=tok.eot_token, eos_token_id=tok.eot_token, pad_token_id=None,
+        architectures=["LlamaForCausalLM"], dtype="float32", **{MARK: record})
 
 
 # ---------------------------------------------------------------------------- the tokenizer
@@ -132,7 +131,7 @@ def fast_tokenizer(transformers, tok, seq_len):
     (split_special_tokens): our encode treats a literal "<|endoftext|>" as plain text."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    ranks, byte_char = tok.enc._mergeable_ranks, bytes_to_unicode()
+    ranks, byte_char = tok._mergeable_ranks, bytes_to_unicode()
     def chars(b):
         return "".join(byte_char[x] for x in b)
     merges = []
@@ -140,16 +139,16 @@ def fast_tokenizer(transformers, tok, seq_len):
         splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
         merges += [(rank, ranks[a], ranks[b], a, b) for a, b in splits]
     merges.sort(key=lambda m: m[:3])
-    eot = tok.enc.decode_single_token_bytes(tok.eot).decode()
-    vocab = {chars(t): r for t, r in ranks.items()} | {eot: tok.eot}  # o200k: a gap of one id before it
+    eot = tok.decode_single_token_bytes(tok.eot_token).decode()
+    vocab = {chars(t): r for t, r in ranks.items()} | {eot: tok.eot_token}  # o200k: a gap of one id before it
     fast = Tokenizer(models.BPE(vocab, [(chars(a), chars(b)) for *_, a, b in merges], ignore_merges=True))
     fast.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(tok.enc._pat_str), behavior="isolated"),
+        pre_tokenizers.Split(Regex(tok._pat_str), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     fast.decoder = decoders.ByteLevel()
     fast.add_special_tokens([AddedToken(eot, special=True, normalized=False)])
-    if fast.token_to_id(eot) != tok.eot:
-        raise ValueError(f"end-of-text got id {fast.token_to_id(eot)}, not {tok.eot}")
+    if fast.token_to_id(eot) != tok.eot_token:
+        raise ValueError(f"end-of-text got id {fast.token_to_id(eot)}, not {tok.eot_token}")
     return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, bos_token=eot, eos_token=eot,
                                                 split_special_tokens=True, model_max_length=seq_len)
 
@@ -159,7 +158,7 @@ def export_tokenizer(transformers, tok, hf_dir, seq_len):
     try:
         fast_tokenizer(transformers, tok, seq_len).save_pretrained(hf_dir)
         loaded = transformers.AutoTokenizer.from_pretrained(hf_dir)
-        wrong = [t for t in SAMPLE_TEXTS if loaded(t, add_special_tokens=False)["input_ids"] != tok.encode(t)]
+        wrong = [t for t in SAMPLE_TEXTS if loaded(t, add_special_tokens=False)["input_ids"] != tok.encode_ordinary(t)]
         if wrong:
             raise ValueError(f"it encodes {wrong[0][:30]!r}... otherwise")
     except Exception as e:  # an unsupported regex, a tokenizers version that reads the files otherwise
@@ -203,7 +202,7 @@ def export(args):
     cfg = model.cfg
     config = llama_config(transformers, cfg, tok, step)
     # one window of real ids for the check: end-of-text then the sample text, as our model sees a document
-    window = torch.tensor([([tok.eot] + tok.encode(" ".join(SAMPLE_TEXTS)))[:min(cfg.seq_len, 64)]])
+    window = torch.tensor([([tok.eot_token] + tok.encode_ordinary(" ".join(SAMPLE_TEXTS)))[:min(cfg.seq_len, 64)]])
     with torch.no_grad():
         expected = model(window)
     os.makedirs(args.hf_dir, exist_ok=True)
@@ -212,7 +211,8 @@ def export(args):
     gc.collect()
     config.save_pretrained(args.hf_dir)
     padding = list(range(tok.n_vocab, cfg.vocab_size))  # never sampled (sample.py's n_valid)
-    transformers.GenerationConfig(bos_token_id=tok.eot, eos_token_id=tok.eot, pad_token_id=tok.eot,
+    eot = tok.eot_token
+    transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
                                   **({"suppress_tokens": padding} if padding else {})).save_pretrained(args.hf_dir)
     with_tokenizer = args.tokenizer and export_tokenizer(transformers, tok, args.hf_dir, cfg.seq_len)
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)

@@ -196,10 +196,10 @@ def test_loglikelihood_equals_the_models_log_probs(eval_model):
     cases = [("The cat sat on", " the mat"), ("Far too long a context for this model," * 3, " so cut it")]
     expected = []
     for context, continuation in cases:
-        cont = tok.encode(continuation)
-        ids = [EOT] + tok.encode(context) + cont
+        cont = tok.encode_ordinary(continuation)
+        ids = [EOT] + tok.encode_ordinary(context) + cont
         expected.append(reference_logprobs(model, ids[-(seq_len + 1):])[-len(cont):].sum().item())
-    assert len(tok.encode(cases[1][0])) > seq_len  # the second context must be truncated
+    assert len(tok.encode_ordinary(cases[1][0])) > seq_len  # the second context must be truncated
     for batch_size in (1, 3):  # padded batches give what one request alone does
         got = LeviathanLM(model, tok, batch_size).loglikelihood([Request(*c) for c in cases + cases[:1]])
         assert [lp for lp, _ in got] == pytest.approx(expected + expected[:1], abs=1e-5)
@@ -216,13 +216,13 @@ def test_bf16_scores_agree_with_float32(eval_model):
     exact = LeviathanLM(model, tok, bf16=False).loglikelihood(requests)
     fast = LeviathanLM(model, tok, bf16=True).loglikelihood(requests)
     for (a, _), (b, _), request in zip(exact, fast, requests):
-        tokens = len(tok.encode(request.args[1]))
+        tokens = len(tok.encode_ordinary(request.args[1]))
         assert a != b and abs(a - b) <= max(0.02 * abs(a), 0.05 * tokens), (a, b)  # bf16 did run
 
 
 def repeatable_token(tok, text):
     """The id of `text` if it encodes to one id, also when repeated."""
-    ids = tok.encode(text * 3)
+    ids = tok.encode_ordinary(text * 3)
     assert len(set(ids)) == 1 and len(ids) == 3, ids
     return ids[0]
 
@@ -249,7 +249,7 @@ def test_is_greedy_on_continuations_built_to_be_the_argmax(eval_model):
 def test_loglikelihood_rolling_sums_windows_that_score_each_token_once(eval_model):
     model, tok = eval_model
     text = "the quick brown fox jumps over the lazy dog. " * 2
-    tokens = [EOT] + tok.encode(text)
+    tokens = [EOT] + tok.encode_ordinary(text)
     n = len(tokens) - 1
     assert 64 < n <= 96, n  # three windows of seq_len = 32: the slices below assume it
     windows = [(tokens[0:33], 32), (tokens[32:65], 32), (tokens[n - 32:n + 1], n - 64)]
@@ -257,7 +257,7 @@ def test_loglikelihood_rolling_sums_windows_that_score_each_token_once(eval_mode
     for batch_size in (1, 4):
         got = LeviathanLM(model, tok, batch_size).loglikelihood_rolling([Request(text), Request("tail")])
         assert got[0] == pytest.approx(expected, rel=1e-6)  # a float32 sum of ~100 log-probs
-        tail = reference_logprobs(model, [EOT] + tok.encode("tail")).sum().item()  # one window
+        tail = reference_logprobs(model, [EOT] + tok.encode_ordinary("tail")).sum().item()  # one window
         assert got[1] == pytest.approx(tail, abs=1e-5)
 
 
@@ -290,8 +290,8 @@ def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
     choices = ["two", "blue", "dog", "down"]
 
     def choice_logprob(question, choice):  # lm-eval joins them with its target_delimiter, " "
-        cont = tok.encode(" " + choice)
-        ids = [EOT] + tok.encode(question) + cont
+        cont = tok.encode_ordinary(" " + choice)
+        ids = [EOT] + tok.encode_ordinary(question) + cont
         return reference_logprobs(model, ids[-(model.cfg.seq_len + 1):])[-len(cont):].sum().item()
     picks = [max(range(len(choices)), key=lambda c: choice_logprob(q, choices[c])) for q in questions]
     # Labels right for every other question: by hand, accuracy 3/6.

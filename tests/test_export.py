@@ -70,10 +70,10 @@ def test_export_gives_the_models_logits_and_greedy_text(exported, train_data):
 
     # greedy: 64 new tokens (fewer if both stop at end-of-text, which theirs includes and ours does not)
     prompt = idx[1, :16].tolist()
-    ours = list(generate(model, prompt, 64, temperature=0, stop_id=tok.eot, n_valid=tok.n_vocab))
+    ours = list(generate(model, prompt, 64, temperature=0, stop_id=tok.eot_token, n_valid=tok.n_vocab))
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
-    assert out[:len(ours) + 1] == ours + [tok.eot] * (len(ours) < 64) and len(ours) >= 32, (ours, out)
+    assert out[:len(ours) + 1] == ours + [tok.eot_token] * (len(ours) < 64) and len(ours) >= 32, (ours, out)
     assert max(ours) < tok.n_vocab
     print(f"{model.cfg.embedding}: greedy {len(ours)} tokens, {len(set(ours))} distinct: {tok.decode(ours)[:60]!r}")
 
@@ -85,9 +85,9 @@ def test_exported_tokenizer_encodes_as_ours(exported, train_data):
     real = tok.decode(val_windows(train_data, 1, 100)[0].tolist())
     for text in TEXTS + [real]:
         ids = fast(text, add_special_tokens=False)["input_ids"]
-        assert ids == tok.encode(text), text
+        assert ids == tok.encode_ordinary(text), text
         assert fast.decode(ids) == text
-    assert fast.eos_token_id == tok.eot
+    assert fast.eos_token_id == tok.eot_token
 
 
 def test_wrong_folder_and_missing_transformers_are_one_line(tmp_path, monkeypatch, capsys):

@@ -20,7 +20,7 @@ from sample import TextStream, load_model
 def test_text_stream_prints_only_whole_characters():
     tok = tokenizer_from_meta(META)
     text = "naïve café: 3€, 😀 done — ok"
-    ids = tok.encode(text)
+    ids = tok.encode_ordinary(text)
     stream = TextStream(tok)
     pieces = [stream.push(i) for i in ids]
     assert "".join(pieces) + stream.flush() == text
@@ -28,7 +28,7 @@ def test_text_stream_prints_only_whole_characters():
     assert "" in pieces  # some tokens did end inside a character, and were held back
     # an incomplete character at the very end still comes out, as U+FFFD
     stream = TextStream(tok)
-    held = [stream.push(i) for i in tok.encode("a😀")[:-1]]
+    held = [stream.push(i) for i in tok.encode_ordinary("a😀")[:-1]]
     assert "".join(held) == "a" and stream.flush() == "\ufffd"
 
 
@@ -48,7 +48,7 @@ def save_run(folder, model, state=None, config=None, meta=None):
 def test_load_model_rebuilds_model_and_tokenizer(tmp_path, embedding):
     model = random_model(embedding)
     model_back, tok, step = load_model(save_run(tmp_path, model))
-    assert (tok.n_vocab, tok.eot, step) == (N_VALID, EOT, 42)
+    assert (tok.n_vocab, tok.eot_token, step) == (N_VALID, EOT, 42)
     model_back.freeze_lev()
     assert (model_back.frozen_table is not None) == (embedding == "lev")
     assert generated_ids(model_back, 20, temperature=0) == generated_ids(model, 20, temperature=0)
@@ -65,7 +65,7 @@ def test_cli_streams_the_sample_that_generate_gives(tmp_path):
     gen = torch.Generator().manual_seed(5)
     expected = []
     for _ in range(2):  # one generator for all samples, as in the CLI
-        ids = list(generate(model_back, tok.encode("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
+        ids = list(generate(model_back, tok.encode_ordinary("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
         assert len(ids) == 25
         expected.append("Once upon" + tok.decode(ids) + "\n")
     assert r.stdout == "---------------\n".join(expected)
@@ -89,7 +89,7 @@ def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
                         "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
     assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'empty.txt'}", "--max_new_tokens=3"]) == 0
     tok = tokenizer_from_meta(META)
-    assert calls == [([EOT], EOT, N_VALID), (tok.encode("Once upon"), None, N_VALID), ([EOT], EOT, N_VALID)]
+    assert calls == [([EOT], EOT, N_VALID), (tok.encode_ordinary("Once upon"), None, N_VALID), ([EOT], EOT, N_VALID)]
     assert "\nOnce upon" in capsys.readouterr().out
 
 
