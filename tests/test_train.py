@@ -329,12 +329,19 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     assert not os.path.exists(out / "ckpt.pt.tmp")
 
 
+def hangup_by_default():
+    """In the child: SIGHUP stops it, as in a terminal, even where the tests run under nohup (which the run
+    would rightly leave ignored)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 # SIGUSR1: SLURM's --signal; SIGHUP: the terminal closed
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP])
 def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, reference_run, signum):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
-    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=hangup_by_default)
     log = out / "log.jsonl"
     deadline = time.time() + 120
     while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
@@ -356,7 +363,7 @@ def test_closing_the_terminal_saves_a_resumable_checkpoint(train_data, tmp_path,
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
     proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdin=terminal, stdout=terminal,
                             stderr=terminal, start_new_session=True,  # its own session, the pty its terminal
-                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                            preexec_fn=lambda: hangup_by_default() or fcntl.ioctl(0, termios.TIOCSCTTY, 0))
     os.close(terminal)  # left unread: the run's output (~3 KB) fits the terminal's buffer
     log = out / "log.jsonl"
     deadline = time.time() + 120
