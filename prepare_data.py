@@ -4,8 +4,7 @@
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.txt, glob, folder
 
-Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the command line that
-every script shares (UserError, run_main, the option parser, atomic writes), imported from here.
+Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, every script's command line.
 """
 import argparse, contextlib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
 import platform, shlex, signal, sys, sysconfig, tempfile, time
@@ -50,7 +49,9 @@ class Shard:
     def __len__(self):
         return self.n
     def __getitem__(self, window):
-        start, stop, _ = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
+        start, stop, step = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
+        if step != 1:
+            raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
         offset = HEADER_BYTES + start * self.dtype.itemsize
         return np.fromfile(self.filename, self.dtype, max(0, stop - start), offset=offset)
     def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
@@ -79,9 +80,8 @@ def shard_paths(data_dir, split):
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise UserError(f"no prepared data in {data_dir} (meta.json not found): `python prepare_data.py "
-                        "--dataset=demo` writes data/demo, `python prepare_data.py` data/pile, --out_dir=DIR "
-                        "elsewhere")
+        raise UserError(f"no prepared data in {data_dir}: `python prepare_data.py --dataset=demo` writes "
+                        "data/demo, `python prepare_data.py` data/pile, --out_dir=DIR others (no meta.json)")
     return read_json(path, "delete it and run prepare_data.py again, with the same options")
 
 def load_per_id(data_dir, name, vocab_size):
@@ -89,7 +89,7 @@ def load_per_id(data_dir, name, vocab_size):
     path, array = os.path.join(data_dir, name), None
     with contextlib.suppress(ValueError, OSError, EOFError):  # missing (a folder older than it), or damaged
         array = np.load(path)
-    if array is None or array.shape != (vocab_size,):
+    if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
         raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there, "
                         f"and run the command in {data_dir}/meta.json again, which writes it")
     return array

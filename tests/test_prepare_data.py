@@ -408,3 +408,18 @@ def test_the_hub_out_of_reach_is_one_error_line_not_the_clients_retries(tmp_path
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: could not stream monology/pile-uncopyrighted")
+
+
+def test_shard_slices_and_per_id_arrays_refuse_what_they_would_read_wrongly(tmp_path):
+    """A strided slice of a shard is refused (it is read contiguously); a per-id array of floats is refused
+    like one of the wrong length (counts and byte lengths are integers)."""
+    prep.write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=1000)
+    shard = prep.read_shard(tmp_path / "s.bin")
+    assert np.array_equal(shard[-5:], np.arange(95, 100)) and len(shard[200:300]) == 0
+    with pytest.raises(IndexError, match="contiguous"):
+        shard[::2]
+    np.save(tmp_path / "counts.npy", np.arange(10))
+    assert np.array_equal(prep.load_per_id(tmp_path, "counts.npy", 10), np.arange(10))
+    np.save(tmp_path / "counts.npy", np.arange(10, dtype=np.float64))
+    with pytest.raises(UserError, match="not one integer per id"):
+        prep.load_per_id(tmp_path, "counts.npy", 10)
