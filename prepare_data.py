@@ -42,8 +42,9 @@ def write_shard(path, tokens, vocab_size):
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 class Shard:
-    """A shard's tokens, read from its file when sliced: shard[a:b], np.asarray(shard) for all. Not a memory
-    map: each keeps a file open, and a folder may hold more shards than a process may open."""
+    """A shard's tokens, read from its file when sliced: shard[a:b], shard[:] for all. Not a memory map, which
+    holds its file open for good: only the 16 shards read last keep theirs open (a folder may hold more)."""
+    open_files = {}  # shard -> its open file, the one read last last
     def __init__(self, filename, dtype, n):
         self.filename, self.dtype, self.n = filename, dtype, n
     def __len__(self):
@@ -51,11 +52,13 @@ class Shard:
     def __getitem__(self, window):
         start, stop, step = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
         if step != 1:
-            raise IndexError(f"{self.filename}: a shard's slices are contiguous; np.asarray(shard) for more")
-        offset = HEADER_BYTES + start * self.dtype.itemsize
-        return np.fromfile(self.filename, self.dtype, max(0, stop - start), offset=offset)
-    def __array__(self, dtype=None, copy=None):  # always a new array, so `copy` changes nothing
-        return np.asarray(self[:], dtype)
+            raise IndexError(f"{self.filename}: a shard's slices are contiguous; shard[:] for all")
+        file = Shard.open_files.pop(self, None) or open(self.filename, "rb")  # a step's windows: no open()
+        Shard.open_files[self] = file
+        if len(Shard.open_files) > 16:  # far below any ulimit -n
+            Shard.open_files.pop(next(iter(Shard.open_files))).close()
+        file.seek(HEADER_BYTES + start * self.dtype.itemsize)
+        return np.fromfile(file, self.dtype, max(0, stop - start))
 
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
@@ -129,9 +132,8 @@ def get_tokenizer(name="o200k_base", vocab_size=None):
     if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
         raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) "
                         f"to {len(ranks) + 1} with every single byte among the first merges, or 0 for all")
-    small = tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
-                              special_tokens={"<|endoftext|>": vocab_size - 1})
-    return small
+    return tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
+                             special_tokens={"<|endoftext|>": vocab_size - 1})
 
 def tokenizer_from_meta(meta):
     """Exactly the tokenizer a data folder was made with."""
@@ -224,8 +226,7 @@ SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up 
 START = dict(shards=0, next_doc=0, skip=0, tokens=0, documents=0, done=False)  # a split's progress at first
 
 def _tokenized(tok, docs, workers, batch_docs=512):
-    """(index, ids + [end-of-text]) for each (index, text), in order, encoded on `workers` threads."""
-    docs = iter(docs)
+    """(index, ids + [end-of-text]) for each (index, text) docs yields, in order, on `workers` threads."""
     while batch := list(itertools.islice(docs, batch_docs)):  # bounded memory; tiktoken threads free the GIL
         texts = [text for _, text in batch]
         for (index, _), ids in zip(batch, tok.encode_ordinary_batch(texts, num_threads=workers)):
@@ -393,8 +394,7 @@ class UserError(Exception):
 
 def print_error(e):
     # One line, however many the message has, in one write: ranks that meet the same error print whole lines
-    sys.stderr.write("error: " + " ".join(str(e).split()) + "\n")
-    sys.stderr.flush()
+    sys.stderr.write("error: " + " ".join(str(e).split()) + "\n")  # stderr flushes each line (Python 3.9+)
 
 def _interrupted(signum, frame):
     print("\ninterrupted", file=sys.stderr)

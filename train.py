@@ -201,15 +201,21 @@ def setup_device(config):
     if config.deterministic:  # cuBLAS repeats its sums only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    backend = config.backend if config.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
     # Ranks past the GPU count share GPUs: gloo allows it (the acceptance run puts 2 on one), NCCL refuses it
+    node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world > 1 and backend == "nccl" and node_ranks > torch.cuda.device_count():
+        raise UserError(f"{node_ranks} ranks on this node but {torch.cuda.device_count()} GPU(s): NCCL needs "
+                        "a GPU per rank; --backend=gloo lets ranks share a GPU")
     device = torch.device(kind, local % torch.cuda.device_count() if kind == "cuda" else None)
     if kind == "cuda":  # TF32 off: under autocast the only float32 matmuls left are LEV's, float32 on purpose
         torch.cuda.set_device(device)
     else:
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
-    backend = config.backend if config.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
-    if world > 1 and not dist.is_initialized():  # 60 minutes: a slow disk may hold rank 0 long at a save
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60),
+    # A collective waits this long for the slowest rank. The longest wait is rank 0's save (14.7 GB at 1.2b:
+    # 2.5 min at 100 MB/s) or one rank's first compile (minutes); a hung rank frees every GPU after 20.
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=20),
                                 device_id=device if backend == "nccl" else None)
     return device, rank, world
 
@@ -370,6 +376,9 @@ def set_up(argv):
         show(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
         show(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {world} x {device.type}, "
              f"{run.accum} micro-steps of {config.micro_batch} x {seq_len} per step")
+        if world > 1:  # the hook as DDP itself reports it (the acceptance run checks it for --bf16_allreduce)
+            hook = run.model._get_ddp_logging_data().get("comm_hook") or "none (float32 all-reduce)"
+            show(f"DDP: {world} ranks on {dist.get_backend()}, gradient comm hook {hook}")
         if not config.eval_only:
             os.makedirs(config.out_dir, exist_ok=True)
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
@@ -539,6 +548,8 @@ def checkpoint(run):
     try:
         atomic_write(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
+        if isinstance(e, RuntimeError) and "PytorchStreamWriter" not in str(e):
+            raise  # not the write: a CUDA error (copying the weights off the GPU) is reported as itself
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise UserError(f"could not write {path} ({reason}); the previous checkpoint is kept") from None
     show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")

@@ -87,14 +87,26 @@ def start(options, processes=1, output=None, env=None):
 
 
 def descendants(pid):
-    """The processes pid started, and theirs (Linux's /proc; [] elsewhere): torchrun starts each worker in
-    a session of its own, which a signal to torchrun's session does not reach."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        children = [int(c) for task in tasks for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
-    except OSError:  # no /proc, or pid has ended
-        return []
-    return children + [grandchild for child in children for grandchild in descendants(child)]
+    """The processes pid started, and theirs: torchrun starts each worker in a session of its own, which a
+    signal to torchrun's session does not reach. Read from every /proc/<pid>/stat's parent field (the
+    standard library, any Linux kernel); [] where there is no /proc."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():  # self, thread-self, and what is not a process
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it has ended
+            continue
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (name) state"; a name may hold ")"
+        children.setdefault(parent, []).append(int(entry))
+    found, unseen = [], [pid]
+    while unseen:
+        found_now = children.get(unseen.pop(), [])
+        found += found_now
+        unseen += found_now
+    return found
 
 
 def stop(process, stop_signal=signal.SIGTERM):

@@ -182,7 +182,7 @@ def prepare_one(source):
     """data/<name>-tune and data/<name>-final: links to the source's training shards, counts.npy and
     token_bytes.npy, and one half of its validation split each."""
     meta = load_meta(source)
-    val = np.concatenate([read_shard(p) for p in shard_paths(source, "val")])
+    val = np.concatenate([read_shard(p)[:] for p in shard_paths(source, "val")])
     for half, tokens in zip(("tune", "final"), split_val(val, meta["eot_id"])):
         target = f"{source}-{half}"
         os.makedirs(target, exist_ok=True)

@@ -485,7 +485,7 @@ def test_study_val_halves_are_disjoint_and_make_up_the_val_split(tmp_path):
     val[-1] = 511
     make_data_folder(tmp_path / "toy", val)
     study.prepare_one(str(tmp_path / "toy"))
-    tune, final = (np.asarray(prep.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin"))
+    tune, final = (prep.read_shard(tmp_path / f"toy-{half}" / "val_000000.bin")[:]
                    for half in ("tune", "final"))
     assert np.array_equal(np.concatenate([tune, final]), val)  # in order, nothing lost or repeated
     assert tune[-1] == 511 and abs(len(tune) - len(val) / 2) < 300  # cut after a document, near the middle

@@ -37,7 +37,7 @@ def _write_zst(path, docs, frames=2):
 
 
 def _split_tokens(out_dir, split):
-    return np.concatenate([np.asarray(prep.read_shard(p)) for p in prep.shard_paths(out_dir, split)])
+    return np.concatenate([prep.read_shard(p)[:] for p in prep.shard_paths(out_dir, split)])
 
 
 @pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "txt"])
@@ -76,7 +76,7 @@ def test_round_trip_local_formats(tmp_path, fmt):
 def test_header_validation(tmp_path):
     path = str(tmp_path / "train_000000.bin")
     prep.write_shard(path, np.arange(100), vocab_size=1000)
-    assert np.array_equal(prep.read_shard(path), np.arange(100))
+    assert np.array_equal(prep.read_shard(path)[:], np.arange(100))
     good = open(path, "rb").read()
     cases = [(good[:-2], "truncated"), (good[:100], "shorter than"),
              (np.int32(123).tobytes() + good[4:], "magic"),
@@ -95,7 +95,7 @@ def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
     big = np.array([0, 65535, 65536, 199999, 200018], dtype=np.int64)
     prep.write_shard(tmp_path / "a.bin", big, vocab_size=200019)
     back = prep.read_shard(tmp_path / "a.bin")
-    assert back.dtype == np.uint32 and np.array_equal(back, big)
+    assert back.dtype == np.uint32 and np.array_equal(back[:], big)
     assert os.path.getsize(tmp_path / "a.bin") == 1024 + 4 * len(big)
     prep.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
     assert prep.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
@@ -408,6 +408,26 @@ def test_the_hub_out_of_reach_is_one_error_line_not_the_clients_retries(tmp_path
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: could not stream monology/pile-uncopyrighted")
+
+
+def test_shards_read_window_by_window_keep_a_bounded_set_of_files_open(tmp_path, monkeypatch):
+    """A step's windows from one shard open its file once, not once per window (metadata costs time on a
+    shared filesystem); over many shards, at most 16 stay open (ulimit -n), each read still right."""
+    opened = []
+    monkeypatch.setattr(prep, "open", lambda path, mode: opened.append(path) or open(path, mode), raising=False)
+    monkeypatch.setattr(prep.Shard, "open_files", {})
+    paths = [tmp_path / f"train_{i:06d}.bin" for i in range(40)]
+    for i, path in enumerate(paths):
+        prep.write_shard(path, np.arange(100) + i, vocab_size=1000)
+    shards = [prep.read_shard(path) for path in paths]
+    opened.clear()  # the writes' opens
+    assert all(np.array_equal(shards[0][w:w + 9], np.arange(w, w + 9)) for w in range(0, 90, 8))
+    assert opened == [str(paths[0])]  # shard 0 stays open: the first pass below opens the 39 others
+    for _ in range(2):
+        for i, shard in enumerate(shards):
+            assert np.array_equal(shard[10:20], np.arange(10, 20) + i)
+            assert len(prep.Shard.open_files) <= 16
+    assert len(opened) == 80 and all(not f.closed for f in prep.Shard.open_files.values())
 
 
 def test_shard_slices_and_per_id_arrays_refuse_what_they_would_read_wrongly(tmp_path):

@@ -298,6 +298,18 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(train_data, tmp_pa
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good and not (tmp_path / "run" / "ckpt.pt.tmp").exists()
 
 
+def test_a_cuda_error_during_a_checkpoint_is_reported_as_itself(train_data, tmp_path, monkeypatch):
+    """A fault of the GPU while the weights are copied off it is no failed write: it stays a RuntimeError."""
+    run = train.set_up([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN])
+
+    def save_with_a_faulty_gpu(obj, f):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(torch, "save", save_with_a_faulty_gpu)
+    with pytest.raises(RuntimeError, match="CUDA error") as caught:
+        train.checkpoint(run)
+    assert not isinstance(caught.value, UserError) and not (tmp_path / "run" / "ckpt.pt.tmp").exists()
+
+
 def test_a_tied_checkpoint_holds_its_table_once(train_data, tmp_path):
     """The tied table is also the head: the checkpoint holds it once, one storage under both names."""
     run = train.set_up([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS, *RUN,
@@ -750,6 +762,18 @@ def test_a_rank_outside_the_world_is_one_line(train_data, tmp_path, monkeypatch,
     monkeypatch.setenv("RANK", "1")
     code = train.main([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS])
     assert_one_error_line(code, capsys.readouterr().err, "RANK=1", "WORLD_SIZE=1", "torchrun")
+    assert not (tmp_path / "o").exists()
+
+
+def test_more_ranks_than_gpus_on_nccl_is_one_line_naming_gloo(train_data, tmp_path, monkeypatch, capsys):
+    """Two ranks on a node of one GPU: NCCL would fail in the first collective with a "duplicate GPU" traceback;
+    the line names --backend=gloo. (A GPU is pretended: the refusal comes before any CUDA call.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    code = train.main([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS, "--device=cuda"])
+    assert_one_error_line(code, capsys.readouterr().err, "2 ranks on this node but 1 GPU(s)", "--backend=gloo")
     assert not (tmp_path / "o").exists()
 
 
