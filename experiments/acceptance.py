@@ -2,28 +2,39 @@
 
     python -m experiments.bench gpu         # PASS (exit 0), FAIL (1: a figure is wrong) or INCOMPLETE (2: a
                                             # figure not measured in time); every figure in bench_gpu.json
-    python -m experiments.bench gpu --toy   # every check on a CPU, a micro model in place of 200m and 1.2b
+    python -m experiments.bench gpu --toy   # every check on a CPU, a micro model in place of the GPU's
 
-It runs train.py as a user does (torch.compile, bf16 autocast, fused AdamW, each size's micro-batch of
-16 x 512) on the demo corpus with the full o200k vocabulary, and holds the GPU to references computed in
-float32/float64 on the GPU itself. The order puts what must be timed alone first and the 1.2b save off
-the critical path:
-  references  LEV's fast path (4,096 ids) and the chunked loss against their plain forms.
-  1.2b        started at once, 2 micro-batches a step; stopped (no save) once it has logged LARGE_STEPS
-              steps: memory, MFU, graphs. While it compiles (CPU work), this process measures the disk
-              (a 2 GB write + fsync: what the 14.7 GB save would cost) and one 200m micro-batch pair
-              compiled under bf16 against the eager float32 model (grad_reference, sdpa_kernel).
-  200m        4 micro-batches a step, --deterministic, side by side: a run of STEPS steps that also
-              evaluates; one sent SIGTERM after SIGNAL_AFTER steps, then resumed with a fresh compile
-              cache and stopped (no save) at step STEPS; 2 ranks sharing the GPU (gloo, --bf16_allreduce);
-              with 2+ GPUs, 2 ranks on NCCL.
-  LEV alone   a 1.2b micro-batch of Zipf ids, timed alone: LEV's share of a micro-step.
-Estimated on one H100/H200 with a slow disk (no GPU run has confirmed it; the last lines printed give
-the measured time): data 10 s; references 30 s; 1.2b: start 20 s + compile 120 s + steps 5 s = 145 s;
-200m, on the critical path: the signalled run's start, cold compile and 2.5 GB save, 115 s, then the
-resumed run's start and cold compile, 105 s (the others alongside); LEV alone 40 s: ~445 s in all.
-BUDGET_S bounds the whole: past it every run is stopped, every figure logged so far is kept, and what
-was not measured makes the verdict INCOMPLETE, never FAIL. SIGTERM or Ctrl-C does the same at once.
+It runs train.py as a user does (torch.compile, bf16 autocast, fused AdamW, micro-batches of 16 x 512) on the
+demo corpus with the full o200k vocabulary, and holds the GPU to references computed in float32/float64 on the
+GPU itself. Two processes: this one, the watchdog, starts the measuring process, waits and gives the verdict;
+the measuring process runs the parts below and writes each figure to a state file as soon as it has it. At
+BUDGET_S - CLOSING_S, counted from this command's start (importing torch included), the watchdog stops the
+measuring (SIGALRM: its runs are stopped, it ends); one still alive WATCHDOG_S before the end (hung in a CUDA
+call, say) is killed with its runs. Either way the verdict comes from the figures measured by then.
+
+  data     the demo corpus with the o200k vocabulary, prepared the first time.
+  1.2b     the 1.2b run (2 micro-batches a step) is started first. While it compiles (CPU work, the GPU
+           idle), the GPU serves the rest: the shallow pair (below) and, in the measuring process, the
+           references (LEV's fast path at 4,096, 3,000 and 1,792 ids, the chunked loss at the 1.2b head),
+           LEV alone compiled, the disk (a 2 GB write and fsync: what the 14.7 GB save would cost), one full
+           200m micro-batch pair compiled under bf16 against the eager float32 model (grad_reference,
+           sdpa_kernel), and the eager float32 evaluation of shallow-whole's checkpoint (--eval_only). Once
+           all that has ended, the 1.2b run logs LARGE_STEPS more steps, its speed and MFU from those alone,
+           and is stopped without its save.
+           The shallow runs: the 200m width and o200k head with SHALLOW_LAYERS blocks (exactness and the
+           evaluation are properties of the code path, not of depth: shallow, they compile and save sooner),
+           --deterministic, 4 micro-batches a step, STEPS steps: shallow-whole, which evaluates (compiled) at
+           its last step and saves there; shallow-stopped, sent SIGTERM after SIGNAL_AFTER steps, then
+           resumed with a cold compile cache of its own (shallow-resumed) and stopped at STEPS.
+  LEV      LEV alone timed on the idle GPU (compiled already: a second): its share of a 1.2b micro-step.
+  DDP      2 shallow ranks sharing the GPU (gloo, --bf16_allreduce); with 2+ GPUs, 2 ranks on NCCL.
+Estimated for a cold first run on one H100/H200, 16 cores (no GPU run has confirmed it; the JSON holds each
+part's measured seconds): this command's start, importing torch, 30 s; the measuring process's own start
+5 s; data 10 s; 1.2b part 175 s (its start 20 s, compile 145 s with the others' compiles beside it, steps
+10 s; alongside: the shallow pair 145 s, two cold compiles in a row with the save between them, the
+in-process work ~140 s); LEV 2 s; DDP 80 s (start and rendezvous 30 s, compile 45 s, steps 5 s); closing
+10 s: ~310 s of the 480, so that the measuring ends ~160 s before its deadline (470 s). An overrun loses
+first the DDP part (ddp_one_gpu, ddp), then lev_share; every other figure is measured before them.
 """
 import contextlib
 import copy
@@ -37,6 +48,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from types import SimpleNamespace
@@ -45,33 +57,39 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import leviathan
+import train
 from experiments import runs
-from experiments.bench import MEMORY_ESTIMATE_GB, PREPARE_DATA, parameter_count, size_model
-from leviathan import (LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, padded_vocab,
-                       precision)
-from prepare_data import UserError, load_meta, write_json
-from train import Windows, accumulate_gradients, open_data, peak_flops, resolve
+from experiments.bench import MEMORY_ESTIMATE_GB, PREPARE_DATA, error_line, parameter_count, size_model
+from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, padded_vocab, precision
+from prepare_data import UserError, load_meta, read_json, write_json
 
-BUDGET_S = 8 * 60  # the whole run, verdict included (a lent GPU comes with ~15 minutes, start-up included)
-CLOSING_S = 20  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict
-STEPS = 10  # of the 200m runs
-SIGNAL_AFTER = 2  # the stopped 200m run gets SIGTERM once it has logged this many steps
-LARGE_STEPS = 8  # of the 1.2b run: its speed is the median of the steps after the first two
+BUDGET_S = 8 * 60  # this command's start to its verdict (a lent GPU comes with ~15 minutes, start-up included)
+CLOSING_S = 10  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict
+WATCHDOG_S = 5  # a measuring process still alive this long before the end is killed, with its runs
+STEPS = 10  # of the shallow runs
+SIGNAL_AFTER = 2  # shallow-stopped gets SIGTERM once it has logged this many steps
+LARGE_STEPS = 6  # of the 1.2b run, with the GPU its own: its speed is their median
+SHALLOW_LAYERS = 2  # blocks of the shallow runs (the 200m has 7)
+LEV_IDS = (4096, 3000, 1792)  # lev_reference's id counts: 2 seed chunks forward; backward 4 x 32, 43 + 43 + 42
+# and 73 + 55 at the 1.2b LEV (the last two ragged, as the runs' own batches make them: 1,792 ids is one)
+TOY_CHUNK_FLOATS = 1 << 18  # --toy: the CPU's seed-chunk budget in lev_reference, for ragged chunks there
+# too (the toy LEV's 16 seed coordinates: 4 x 4 backward at 4,096 ids, 5 + 5 + 5 + 1 at 3,000, 9 + 7 at 1,792)
+COMPILE_THREADS = max(1, (os.cpu_count() or 1) // 4)  # each process's compile pool: ~4 compile at once
 EAGER_WARNING = "runs eagerly (slower)"  # LEV's or the loss's kernels: Fused
 # LEV's cost grows with the distinct ids of a micro-batch: ids drawn with P(rank r) ~ r^-1 (Zipf), the ranks
 # shuffled over the ids, give ~3,900 distinct o200k ids in 16 x 512 tokens, the top of The Pile's ~2,000-4,000.
 ZIPF_EXPONENT = 1.0
-# --toy: both sizes become this micro model, trained on --data_dir (a CPU runs every check in minutes)
+# --toy: every model becomes this micro one, trained on --data_dir (a CPU runs every check in a minute)
 TOY = dict(size="tiny", d_model=32, n_layer=1, n_head=2, seq_len=32, micro_batch=8, lev_seed_dim=16, lev_heads=2,
            lev_knots=4, lev_rank=8)
 
 # Each check's limit, and why; a check fails above its limit (below it for FLOORS), and is INCOMPLETE while
 # its figure is not measured.
 LIMITS = {
-    # LEV's fast path (fused kernels, float32) against generate_reference in float64 at the 1.2b LEV, 4,096
-    # distinct ids: on a GPU 2 chunks forward and 4 backward (seed_chunks). The largest error of E and of every
-    # gradient, relative to that tensor's largest entry. Float32 rounding of a 128-factor product gives ~1e-6;
-    # a wrong index, slope or chunk boundary gives O(1).
+    # LEV's fast path (fused kernels, float32) against generate_reference in float64 at the 1.2b LEV, for each
+    # of LEV_IDS: the largest error of E and of every gradient, relative to that tensor's largest entry.
+    # Float32 rounding of a 128-factor product gives ~1e-6; a wrong index, slope or chunk boundary gives O(1).
     "lev_reference": 1e-4,
     # The chunked loss under bf16 autocast against F.cross_entropy on the whole logits under the same autocast,
     # at the 1.2b head: both round the softmax's gradient to bf16 for the matmuls (~4e-3); a lost chunk, O(1).
@@ -83,12 +101,19 @@ LIMITS = {
     # that to ~5e-3-1e-2 (5.5e-3 measured on a CPU: experiments/README.md). It bounds the gradient norms'
     # ratio too. A lost 1/accum doubles every gradient (error 1); a micro-step counted twice moves them ~50%.
     "grad_reference": 2e-2,
-    # The first logged loss of the 200m lev run against ln V: its head starts at zero, so every logit is 0.
+    # The first logged loss of shallow-whole against ln V: its head starts at zero, so every logit is 0.
     "first_loss": 1e-3,
-    # That run's loss at step STEPS over its first: a model that learns falls well below 0.9.
+    # Its loss at step STEPS over its first: a model that learns falls well below 0.9.
     "loss_falls": 0.9,
-    # Its evaluation at step STEPS (the compiled no-grad graph): finite and below ln V (set per run).
-    "eval": None,
+    # Its compiled evaluation at step STEPS against its training loss at that step, |val - train| / train. The
+    # evaluation follows that step's update and reads other text of the same corpus: early in training they
+    # differ by a step's progress (a few %) and the sampling noise of a few thousand tokens (~1%). Half of
+    # every loss, or the wrong targets, is off by 50% or more.
+    "eval": 0.2,
+    # That evaluation against an eager float32 --eval_only of the checkpoint saved at the same step,
+    # |compiled - eager| / eager: bf16 logits are off by ~2^-9 relative, which moves a loss of ~8 nats by
+    # ~1e-3; a compiled graph that reads or averages otherwise moves it by more than 1e-2.
+    "eval_eager": 1e-2,
     # The run stopped by SIGTERM and resumed, with a compile cache of its own, against the uninterrupted
     # run: the largest |loss difference| over STEPS steps. --deterministic promises bit-identical losses.
     "resume_cold_cache": 0.0,
@@ -96,17 +121,20 @@ LIMITS = {
     # the first its --resume trains; it must also exit 128 + SIGTERM (its run line).
     "signal_stop": 0,
     # 2 ranks sharing the GPU (gloo) with --bf16_allreduce against one rank, the same batches: the largest
-    # |loss difference|. bf16 rounds the summed gradients by <= 2^-9; AdamW's update moves by as much, at
-    # most ~2^-9 of the ~3 nats the loss falls in STEPS steps if every rounding lined up: 6e-3, bounded by
-    # 1e-2. A rank's gradient left out, or a micro-step counted twice, changes a quarter of the batch.
+    # |loss difference|, and of |gradient norm difference| / gradient norm, over STEPS steps (inf if DDP does
+    # not report torch's bf16 hook). bf16 rounds the summed gradients by <= 2^-9: the norm moves by ~1e-3 at
+    # most, and AdamW's update by as much, at most ~2^-9 of the ~3 nats the loss falls in STEPS steps if
+    # every rounding lined up: 6e-3, bounded by 1e-2. Gradients summed, not averaged, double the norm at step
+    # 1; a rank's gradient left out, or a micro-step counted twice, changes a quarter of the batch.
     "ddp_one_gpu": 1e-2,
-    # 2 GPUs on NCCL in float32 against one: only the summation order differs.
+    # 2 GPUs on NCCL in float32 against one, the same two differences: only the summation order differs.
     "ddp": 1e-3,
-    # Outputs holding EAGER_WARNING: on a GPU, LEV's and the loss's kernels must compile.
+    # Outputs holding EAGER_WARNING, with the measuring process's own: on a GPU, LEV's and the loss's kernels
+    # must compile. Measured once every run has ended as expected (a run cut short may not have got there).
     "eager": 0,
-    # The worst of the memory figures over the runs, as a fraction of its limit: allocated within the README's
-    # estimate + 10% (allocator rounding), reserved within + 20% (fragmentation as well).
-    "memory": 1.0,
+    # The 1.2b run's peak memory as a fraction of its limit: allocated within the README's estimate + 10%
+    # (allocator rounding), reserved within + 20% (fragmentation as well). Not measured if the run was cut.
+    "memory 1.2b": 1.0,
     # Attention calls that ran the math fallback in a profiled compiled bf16 micro-step, plus 1 if none ran
     # a flash or cuDNN kernel: the fallback writes [T, T] scores and is several times slower.
     "sdpa_kernel": 0,
@@ -126,9 +154,139 @@ LIMITS = {
 }
 FLOORS = {"mfu 1.2b"}
 MEMORY_HEADROOM = {"peak_mem_gb": 0.10, "peak_reserved_gb": 0.20}  # allocated, reserved
+BF16_HOOK = "bf16_compress_hook"  # torch's, as DDP names it (train.py prints it)
 
-STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)  # SIGALRM: BUDGET_S - CLOSING_S has passed
-STOP = {"by": None}  # what stopped the measuring: the first of STOPS to arrive
+# ---------------------------------------------------------------------------- the watchdog: start to verdict
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)  # SIGALRM: the measuring's time is up
+STOP = {"by": None}  # what stopped the measuring: the first of STOPS to arrive (in either process)
+WORKER = "import sys; from experiments import acceptance; acceptance.work(sys.argv[1])"
+
+def acceptance(args, device, start):
+    """Start the measuring process, stop it at its deadline (kill it, hung, near the end), then judge what it
+    measured; start: time.time() at the command's start. Returns the exit status: 0 PASS, 1 FAIL, 2 INCOMPLETE."""
+    cuda = device.type == "cuda"
+    figures = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=torch.cuda.device_count() if cuda
+                   else 1, torch=torch.__version__, toy=args.toy, runs={}, checks={}, limits={}, skipped={},
+                   seconds={}, crashes={}, speed=None, disk=None, lev=None, grad_norm_ratio=None, comm_hook=None,
+                   eager_val_loss=None, large_quiet_from=None, warned=[], ended="running")
+    due_checks(figures, cuda)
+    os.makedirs(args.out_dir, exist_ok=True)
+    state_path = os.path.join(args.out_dir, "state.json")
+    state = dict(args=dict(vars(args), device=device.type), start=start, figures=figures,
+                 measure_until=start + BUDGET_S - CLOSING_S)
+    write_json(state_path, state)
+    print(f"\nGPU acceptance run: {figures['gpus']} x {figures['device']}, torch {torch.__version__}; runs in "
+          f"{args.out_dir} (deleted at the end); at most {BUDGET_S // 60} min from the start", flush=True)
+    STOP["by"] = None
+    previous = {stop: signal.signal(stop, note_stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, state_path], start_new_session=True,
+                                  env=worker_env(args.out_dir))
+        told, killed = watch(worker, start)
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
+    figures = read_json(state_path, "")["figures"]  # what the measuring process wrote last
+    if killed:
+        figures["ended"] = f"the measuring process hung: killed by the watchdog after {killed:.0f} s"
+    elif figures["ended"] == "running" and told and -worker.returncode == told:  # before its handlers were in
+        figures["ended"] = f"stopped by {STOP['by'] or 'the time budget'} before the measuring began"
+    elif figures["ended"] == "running":  # it ended without saying why: a crash below Python (a fault, a kill)
+        figures["ended"] = f"the measuring process ended with exit status {worker.returncode}"
+        figures["crashes"]["the measuring process"] = [figures["ended"]]
+    end_runs_left(figures)
+    read_runs(args.out_dir, figures)
+    shutil.rmtree(args.out_dir, ignore_errors=True)
+    figures["wall_s"] = round(time.time() - start, 1)
+    figures["lines"] = check_lines(figures)
+    write_json(args.json, figures)
+    return report(figures, args.json)
+
+def command_start():
+    """When this process started (Linux's /proc): the budget counts the seconds of importing torch too.
+    Elsewhere, now."""
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after "pid (name)"
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return min(time.time(), boot + ticks / os.sysconf("SC_CLK_TCK"))
+    return time.time()
+
+def worker_env(out_dir):
+    """The measuring process compiles into a fresh cache of its own, as each run does (with the machine's
+    default cache, a graph compiled by an earlier version of the code would be reused unseen)."""
+    cache = os.path.abspath(os.path.join(out_dir, "compile-cache-bench"))
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), runs.ROOT]))
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": str(COMPILE_THREADS),
+            "PYTHONPATH": path}
+
+def note_stop(signum, frame):
+    STOP["by"] = STOP["by"] or signal.Signals(signum).name
+
+def watch(worker, start):
+    """Wait for the measuring process: at its deadline (or on SIGTERM or Ctrl-C here) tell it to stop; kill
+    it if it is still alive WATCHDOG_S before the end. Returns (the signal it was told to stop with, or None;
+    the seconds at which it was killed, or None)."""
+    told = None
+    while worker.poll() is None:
+        now = time.time() - start
+        if told is None and (STOP["by"] or now >= BUDGET_S - CLOSING_S):
+            told = signal.SIGTERM if STOP["by"] else signal.SIGALRM
+            worker.send_signal(told)
+        if now >= BUDGET_S - WATCHDOG_S:
+            runs.signal_run(worker.pid, signal.SIGKILL)
+            worker.wait()
+            return told, now
+        time.sleep(0.05)
+    return told, None
+
+def end_runs_left(figures):
+    """Kill the runs the measuring process left (it was killed, or crashed): cut short, each."""
+    for run in figures["runs"].values():
+        if "exit" not in run:
+            runs.signal_run(run["pid"], signal.SIGKILL)
+            run.update(exit=None, stopped=f"cut short: {figures['ended']}")
+
+def due_checks(figures, cuda):
+    """Every check this machine can make, entered as not measured (None) with its limit; the others skipped."""
+    skipped = {"ddp": "one GPU (its 2-GPU form needs 2)"} if figures["gpus"] < 2 else {}
+    if not cuda:
+        skipped.update({"memory 1.2b": "no CUDA allocator on a CPU", "mfu 1.2b": "no peak FLOP/s for a CPU",
+                        "graph_breaks 1.2b": "the runs are not compiled on a CPU",
+                        "recompiles 1.2b": "the runs are not compiled on a CPU",
+                        "lev_share": "a GPU's proportion: a CPU weighs LEV's kernels and the matmuls otherwise"})
+    for check, limit in LIMITS.items():
+        if check not in skipped:
+            figures["checks"][check] = None
+            figures["limits"][check] = limit
+    figures["skipped"] = skipped
+
+# ---------------------------------------------------------------------------- the measuring process
+@dataclasses.dataclass
+class Measuring:
+    """What the measuring process shares between its parts (and its one helper thread)."""
+    args: SimpleNamespace  # the bench's options, and device
+    device: torch.device
+    figures: dict  # written to state_path under lock as they change
+    state: dict
+    state_path: str
+    deadline: float  # time.time() at which the measuring stops
+    started: dict = dataclasses.field(default_factory=dict)  # run name: (process, start time)
+    helpers: list = dataclasses.field(default_factory=list)  # its threads
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    closing: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def save(self):
+        with self.lock:
+            write_json(self.state_path, self.state)
+
+    def check(self):
+        """Raise Stopped if one of STOPS has arrived, the deadline has passed, or the measuring is closing."""
+        if STOP["by"] is None and time.time() >= self.deadline:
+            STOP["by"] = "the time budget"
+        if STOP["by"] is not None or self.closing.is_set():
+            raise Stopped(STOP["by"])
 
 class Stopped(BaseException):
     """Raised where the measuring is when one of STOPS arrives (a BaseException, as KeyboardInterrupt is: the
@@ -136,241 +294,292 @@ class Stopped(BaseException):
     have caught it anyway."""
 
 def stop_measuring(signum, frame):
-    if STOP["by"] is None:  # one is enough: a second must not cut the verdict short
+    if STOP["by"] is None:  # one is enough: a second must not cut the closing short
         STOP["by"] = "the time budget" if signum == signal.SIGALRM else signal.Signals(signum).name
         raise Stopped(STOP["by"])
 
-def check_time(deadline):
-    """Raise Stopped if one of STOPS has arrived, or the deadline has passed."""
-    if STOP["by"] is None and time.time() >= deadline:
-        STOP["by"] = "the time budget"
-    if STOP["by"] is not None:
-        raise Stopped(STOP["by"])
-
-# ---------------------------------------------------------------------------- the run, start to verdict
-
-def acceptance(args, device):
-    """Measure until done, out of time or stopped; then, whatever happened, every figure logged, the verdict,
-    the JSON. Returns the exit status: 0 PASS, 1 FAIL, 2 INCOMPLETE."""
-    start, cuda = time.time(), device.type == "cuda"
-    figures = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=torch.cuda.device_count() if cuda
-                   else 1, torch=torch.__version__, toy=args.toy, runs={}, checks={}, limits={}, skipped={},
-                   seconds={}, speed={}, disk=None, lev=None, grad_norm_ratio=None, ended="done", crash=None)
-    due_checks(figures, args, cuda)
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"\nGPU acceptance run: {figures['gpus']} x {figures['device']}, torch {torch.__version__}; runs in "
-          f"{args.out_dir} (deleted at the end); at most {BUDGET_S // 60} min", flush=True)
-    started, STOP["by"] = {}, None  # started: name: (process, start time); stopped and read whatever happens
-    previous = {stop: signal.signal(stop, stop_measuring) for stop in STOPS}
-    signal.setitimer(signal.ITIMER_REAL, BUDGET_S - CLOSING_S)
+def work(state_path):
+    """The measuring process: the parts in the module docstring's order; then, whatever happened, its runs
+    stopped and every figure in the state file."""
+    state = read_json(state_path, "")
+    args = SimpleNamespace(**state["args"])
+    m = Measuring(args, torch.device(args.device), state["figures"], state, state_path, state["measure_until"])
+    for stop in STOPS:
+        signal.signal(stop, stop_measuring)
     try:
-        measure(args, device, figures, started, start + BUDGET_S - CLOSING_S)
-        check_time(math.inf)  # a stop the measuring caught and carried on past is still one
+        measure(m)
+        m.check()  # a stop the measuring caught and carried on past is still one
+        m.figures["ended"] = "done"
     except Stopped:
-        figures["ended"] = f"stopped by {STOP['by']} after {time.time() - start:.0f} s"
-    except Exception as error:  # noqa: BLE001  the GPU path itself failed here (a kernel, memory): a FAIL
-        figures["crash"] = traceback.format_exc().splitlines()[-40:]
-        figures["ended"] = f"crashed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        m.figures["ended"] = f"stopped by {STOP['by']} after {time.time() - state['start']:.0f} s"
+    except Exception as error:  # noqa: BLE001  the GPU path itself failed here outside a measurement: a FAIL
+        m.figures["crashes"]["the measuring process"] = traceback.format_exc().splitlines()[-40:]
+        m.figures["ended"] = f"crashed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         for stop in STOPS:
             signal.signal(stop, signal.SIG_IGN)
-        for name, (process, _) in started.items():
+        m.closing.set()  # the helper thread's waits end
+        for thread in m.helpers:
+            thread.join(timeout=2)
+        for name, (process, start) in list(m.started.items()):
+            run = m.figures["runs"][name]
             if process.poll() is None:
                 runs.stop(process, signal.SIGKILL)
-                figures["runs"][name].setdefault("stopped", f"cut short: {figures['ended']}")
-            figures["runs"][name]["exit"] = process.returncode
-        read_runs(args.out_dir, figures)
-        shutil.rmtree(args.out_dir, ignore_errors=True)
-        figures["wall_s"] = round(time.time() - start, 1)
-        figures["lines"] = check_lines(figures)
-        write_json(args.json, figures)
-        for stop, handler in previous.items():
-            signal.signal(stop, handler)
-    return report(figures, args.json)
+                run.setdefault("stopped", f"cut short: {m.figures['ended']}")
+            run.update(exit=process.returncode, seconds=run.get("seconds", round(time.time() - start, 1)))
+        m.figures["warned"] = sorted(Fused.warned)
+        m.save()
 
-def due_checks(figures, args, cuda):
-    """Every check this machine can make, entered as not measured (None) with its limit; the others skipped."""
-    skipped = {"ddp": "one GPU (its 2-GPU form needs 2)"} if figures["gpus"] < 2 else {}
-    if not cuda:
-        skipped.update({"memory": "no CUDA allocator on a CPU", "mfu 1.2b": "no peak FLOP/s for a CPU",
-                        "graph_breaks 1.2b": "the runs are not compiled on a CPU",
-                        "recompiles 1.2b": "the runs are not compiled on a CPU",
-                        "lev_share": "a GPU's proportion: a CPU weighs LEV's kernels and the matmuls otherwise"})
-    for check, limit in LIMITS.items():
-        if check not in skipped:
-            figures["checks"][check] = None
-            figures["limits"][check] = limit  # eval's, ln V, once the data is there
-    figures["skipped"] = skipped
-
-def measure(args, device, figures, started, deadline):
-    """The parts in the module docstring's order; each figure enters figures as soon as it is measured."""
-    checks, cuda = figures["checks"], device.type == "cuda"
-    small, large = shape_of("200m", args.toy), shape_of("1.2b", args.toy)
-    part = timed_parts(figures["seconds"], deadline)
+def measure(m):
+    """Each figure enters m.figures, and the state file, as soon as it is measured."""
+    args, device, figures, checks = m.args, m.device, m.figures, m.figures["checks"]
+    large, shallow = shape_of("1.2b", args.toy), shape_of("shallow", args.toy)
+    part = timed_parts(m)
     with part("data"):
         prepare_o200k_demo(args.data_dir)
-        figures["limits"]["eval"] = math.log(shape_config(args.data_dir, small).vocab_size)
-    with part("references"):
-        checks["lev_reference"] = lev_reference_error(args.data_dir, device, large)
-        checks["loss_reference"] = loss_reference_error(args.data_dir, device, large)
-        if cuda:
-            torch.cuda.empty_cache()  # what the references held, back to the GPU for the runs
-    with part("1.2b run"):
-        start_run("1.2b", options(args, device, large, "1.2b", 2), args, figures, started)
-        figures["disk"] = disk_speed(args.out_dir, (64 << 20) if args.toy else (2 << 30), large, args.data_dir)
-        checks["grad_reference"], figures["grad_norm_ratio"], checks["sdpa_kernel"] = grad_reference(
-            args.data_dir, device, small)
-        if cuda:
-            torch.cuda.empty_cache()
-        stop_once_logged("1.2b", LARGE_STEPS, args, figures, started, deadline)  # not its save (~15 GB, 1+ min)
-    with part("200m runs"):
-        run_200m(args, device, small, figures, started, deadline)
-    with part("LEV alone"):
-        figures["lev"] = lev_figures(args.data_dir, device, large)
+    with part("1.2b"):
+        start_run(m, "1.2b", options(args, large, "1.2b", 2))
+        exact = ["--deterministic", f"--stop_step={STEPS}"]
+        start_run(m, "shallow-whole", options(args, shallow, "shallow-whole", 4, *exact, f"--eval_interval={STEPS}"))
+        start_run(m, "shallow-stopped", options(args, shallow, "shallow-resumed", 4, *exact),
+                  expected=128 + signal.SIGTERM)
+        pair = threading.Thread(target=in_thread(m, "the resume pair", resume_pair), args=(m, shallow))
+        m.helpers.append(pair)
+        pair.start()
+        isolated(m, "lev_reference", lambda: checks.update(lev_reference=lev_reference_error(args, device, large)))
+        isolated(m, "loss_reference", lambda: checks.update(loss_reference=loss_reference_error(args, device, large)))
+        lev = isolated(m, "LEV alone", lambda: lev_compiled(args.data_dir, device, large))
+        isolated(m, "disk", lambda: figures.update(disk=disk_speed(args.out_dir, (64 << 20) if args.toy
+                                                                   else (2 << 30), large, args.data_dir)))
+        isolated(m, "grad_reference", lambda: grad_reference(m, shape_of("200m", args.toy)))
+        isolated(m, "eval_eager", lambda: figures.update(eager_val_loss=eager_evaluation(m)))
+        wait_for_run(m, "shallow-whole")
+        while pair.is_alive():
+            m.check()
+            pair.join(timeout=0.05)
+        figures["large_quiet_from"] = last_step(args.out_dir, "1.2b")  # the 1.2b's GPU its own from here
+        stop_once_logged(m, "1.2b", max(2, figures["large_quiet_from"]) + LARGE_STEPS)  # not its 15 GB save
+    with part("LEV"):
+        if lev:
+            isolated(m, "LEV alone", lambda: figures.update(lev=lev_timed(*lev)))
+    with part("DDP"):
+        one_gpu = ["--backend=gloo"] + (["--bf16_allreduce"] if device.type == "cuda" else [])
+        exact = ["--deterministic", f"--stop_step={STEPS}"]
+        start_run(m, "shallow-ddp-one-gpu", options(args, shallow, "shallow-ddp-one-gpu", 4, *exact, *one_gpu),
+                  processes=2, env={"CUDA_VISIBLE_DEVICES": "0"} if device.type == "cuda" else None)
+        if "ddp" in checks:
+            start_run(m, "shallow-ddp", options(args, shallow, "shallow-ddp", 4, *exact), processes=2)
+        for name in ("shallow-ddp-one-gpu", "shallow-ddp"):
+            if name in m.started:
+                wait_for_run(m, name)
 
-def run_200m(args, device, shape, figures, started, deadline):
-    """The 200m runs side by side; the stopped one resumed as soon as it has saved."""
-    exact = ["--deterministic", f"--stop_step={STEPS}"]
-    start_run("200m-whole", options(args, device, shape, "200m-whole", 4, *exact, f"--eval_interval={STEPS}"),
-              args, figures, started)
-    start_run("200m-stopped", options(args, device, shape, "200m-resumed", 4, *exact), args, figures, started,
-              expected=128 + signal.SIGTERM)
-    one_gpu = ["--backend=gloo"] + (["--bf16_allreduce"] if device.type == "cuda" else [])
-    start_run("200m-ddp-one-gpu", options(args, device, shape, "200m-ddp-one-gpu", 4, *exact, *one_gpu), args,
-              figures, started, processes=2, env={"CUDA_VISIBLE_DEVICES": "0"} if device.type == "cuda" else None)
-    if "ddp" in figures["checks"]:
-        start_run("200m-ddp", options(args, device, shape, "200m-ddp", 4, *exact), args, figures, started,
-                  processes=2)
-    wait_for_step(args.out_dir, "200m-resumed", SIGNAL_AFTER, started, deadline, name="200m-stopped")
-    process = started["200m-stopped"][0]
+def resume_pair(m, shape):
+    """shallow-stopped gets SIGTERM once it has logged SIGNAL_AFTER steps; once it has saved and exited, it
+    is resumed with a compile cache of its own (cold, as on another machine) and stopped at step STEPS."""
+    wait_for_step(m, "shallow-stopped", SIGNAL_AFTER, folder="shallow-resumed")
+    process = m.started["shallow-stopped"][0]
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)  # its own session: train.py alone gets it
-    wait_for_run("200m-stopped", figures, started, deadline)
-    if process.returncode == 128 + signal.SIGTERM:  # its own compile cache: a cold start must sum alike
-        cold = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(os.path.join(args.out_dir, "compile-cache-resumed"))}
-        start_run("200m-resumed", options(args, device, shape, "200m-resumed", 4, "--deterministic", "--resume"),
-                  args, figures, started, env=cold)
-        stop_once_logged("200m-resumed", STEPS, args, figures, started, deadline)  # its save is not needed
-    for name in list(started):
-        wait_for_run(name, figures, started, deadline)
+    wait_for_run(m, "shallow-stopped")
+    if process.returncode == 128 + signal.SIGTERM:
+        cold = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(os.path.join(m.args.out_dir, "compile-cache-resumed"))}
+        start_run(m, "shallow-resumed", options(m.args, shape, "shallow-resumed", 4, "--deterministic", "--resume"),
+                  env=cold)
+        stop_once_logged(m, "shallow-resumed", STEPS)  # its save is not needed
+
+def isolated(m, name, measurement):
+    """measurement()'s result; if it raises, its own FAIL (its traceback in the JSON) and None: the rest goes on.
+    Its seconds go to figures["seconds"] beside the parts'."""
+    start = time.time()
+    try:
+        return measurement()
+    except Exception:  # noqa: BLE001  a kernel, memory, a wrong shape: this measurement's failure alone
+        m.figures["crashes"][name] = traceback.format_exc().splitlines()[-40:]
+        print(f"  {name} crashed: {m.figures['crashes'][name][-1]}", flush=True)
+        return None
+    finally:
+        m.figures["seconds"][name] = round(time.time() - start, 1)
+        m.save()
+
+def in_thread(m, name, target):
+    """target for a helper thread: a stop ends it quietly, a crash is its own FAIL (as isolated)."""
+    def run(*args):
+        with contextlib.suppress(Stopped):
+            isolated(m, name, lambda: target(*args))
+    return run
+
+def timed_parts(m):
+    """part(name): a context that enters the seconds its block took in figures["seconds"] and prints them;
+    none starts past the deadline."""
+    @contextlib.contextmanager
+    def part(name):
+        m.check()
+        start = time.time()
+        try:
+            yield
+        finally:
+            m.figures["seconds"][name] = round(time.time() - start, 1)
+            print(f"  {name}: {m.figures['seconds'][name]:.0f} s", flush=True)
+    return part
 
 # ---------------------------------------------------------------------------- train.py runs
 
 def shape_of(size, toy):
-    """train.py's options for a size's model: the preset, or TOY."""
-    return TOY if toy else {"size": size}
+    """train.py's options for a model: a size's preset, the shallow runs' (SHALLOW_LAYERS of the 200m), or TOY."""
+    if toy:
+        return TOY
+    return dict(size="200m", n_layer=SHALLOW_LAYERS) if size == "shallow" else {"size": size}
 
 def micro_batch_shape(shape):
     """(sequences, tokens per sequence) of one micro-batch of a shape."""
-    preset = resolve({"size": shape["size"]})
+    preset = train.resolve({"size": shape["size"]})
     return shape.get("micro_batch", preset.micro_batch), shape.get("seq_len", preset.seq_len)
 
-def options(args, device, shape, folder, micro_batches, *more):
+def options(args, shape, folder, micro_batches, *more):
     """train.py's options: the shape, micro_batches micro-batches a step of a 1000-step schedule (2 steps of
     warmup), a log line every step, no evaluation or checkpoint unless asked for."""
     micro_tokens = math.prod(micro_batch_shape(shape))
     return [*(f"--{key}={value}" for key, value in shape.items()), f"--data_dir={args.data_dir}",
-            f"--out_dir={os.path.join(args.out_dir, folder)}", f"--device={device.type}",
+            f"--out_dir={os.path.join(args.out_dir, folder)}", f"--device={args.device}",
             f"--batch_tokens={micro_batches * micro_tokens}", f"--total_tokens={1000 * micro_batches * micro_tokens}",
             "--warmup_steps=2", "--log_interval=1", f"--eval_tokens={micro_tokens}", "--eval_interval=1000",
             "--ckpt_interval=1000", *more]
 
-def start_run(name, train_options, args, figures, started, expected=0, processes=1, env=None):
-    """train.py in its own session (its output in out_dir/<name>.txt), compiling into a cache of this run's
-    (cold, as on a new machine: a rerun measures the same) unless env says otherwise; expected: the exit
+def start_run(m, name, train_options, expected=0, processes=1, env=None):
+    """train.py in its own session (its output in out_dir/<name>.txt), compiling with COMPILE_THREADS into a
+    cache of this acceptance run's (cold, as on a new machine) unless env says otherwise; expected: the exit
     status it should end with (128 + SIGTERM for the run that gets one)."""
-    output, cache = os.path.join(args.out_dir, f"{name}.txt"), os.path.join(args.out_dir, "compile-cache")
-    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(cache), **(env or {})}
-    started[name] = runs.start(train_options, processes, output, env=env), time.time()
-    figures["runs"][name] = dict(expected=expected, output=output)
+    m.check()
+    output, cache = os.path.join(m.args.out_dir, f"{name}.txt"), os.path.join(m.args.out_dir, "compile-cache")
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(cache), "TORCHINDUCTOR_COMPILE_THREADS": str(COMPILE_THREADS),
+           **(env or {})}
+    process = runs.start(train_options, processes, output, env=env)
+    with m.lock:
+        m.started[name] = process, time.time()
+        m.figures["runs"][name] = dict(expected=expected, output=output, pid=process.pid)
+    m.save()
     print(f"started {name}", flush=True)
 
-def wait_for_step(out_dir, folder, step, started, deadline, name=None):
-    """Until the run in folder has logged step, ended, or the deadline has passed."""
-    process = started[name or folder][0]
-    while process.poll() is None:
-        check_time(deadline)
-        records = runs.log_records(os.path.join(out_dir, folder), "train")
-        if records and records[-1]["step"] >= step:
-            return
+def last_step(out_dir, folder):
+    """The last step the run in folder has logged (0 for none)."""
+    records = runs.log_records(os.path.join(out_dir, folder), "train")
+    return records[-1]["step"] if records else 0
+
+def wait_for_step(m, name, step, folder=None):
+    """Until the run has logged step (in its folder, by default its name), ended, or the measuring stops."""
+    process = m.started[name][0]
+    while process.poll() is None and last_step(m.args.out_dir, folder or name) < step:
+        m.check()
         time.sleep(0.01)
 
-def stop_once_logged(name, step, args, figures, started, deadline):
-    """Wait until the run (in the folder of its name) has logged step, then stop it where it is (SIGKILL)."""
-    wait_for_step(args.out_dir, name, step, started, deadline)
-    if started[name][0].poll() is None:
-        runs.stop(started[name][0], signal.SIGKILL)
-        figures["runs"][name]["stopped"] = f"by this run, once it had logged {step} steps"
-
-def wait_for_run(name, figures, started, deadline):
-    """Until the run ends (a run that hangs, in a collective say, meets the deadline); its seconds."""
-    process, start = started[name]
-    while process.poll() is None:
-        check_time(deadline)
+def wait_for_file(m, path, name):
+    """Until path exists (written atomically: then whole) or the run name has ended; raises if it has not."""
+    while not os.path.exists(path):
+        m.check()
+        if m.started[name][0].poll() is not None and not os.path.exists(path):
+            raise RuntimeError(f"{name} ended without writing {path}")
         time.sleep(0.05)
-    figures["runs"][name]["seconds"] = round(time.time() - start, 1)
-    print(f"  {name}: exit status {process.returncode} after {time.time() - start:.0f} s", flush=True)
+
+def stop_once_logged(m, name, step):
+    """Wait until the run (in the folder of its name) has logged step, then stop it where it is (SIGKILL)."""
+    wait_for_step(m, name, step)
+    process, start = m.started[name]
+    if process.poll() is None:
+        runs.stop(process, signal.SIGKILL)
+        with m.lock:
+            m.figures["runs"][name].update(stopped=f"by this run, once it had logged {step} steps",
+                                           seconds=round(time.time() - start, 1))
+        m.save()
+
+def wait_for_run(m, name):
+    """Until the run ends (a run that hangs, in a collective say, meets the deadline); its seconds."""
+    process, start = m.started[name]
+    while process.poll() is None:
+        m.check()
+        time.sleep(0.05)
+    run = m.figures["runs"][name]
+    with m.lock:  # when it wrote its last line: it may have ended long before this wait began
+        run.setdefault("seconds", round(os.path.getmtime(run["output"]) - start, 1))
+    m.save()
+    print(f"  {name}: exit status {process.returncode} after {run['seconds']:.0f} s", flush=True)
 
 # ---------------------------------------------------------------------------- what the runs logged
+
+RUN_NAMES = ("1.2b", "shallow-whole", "shallow-resumed", "shallow-ddp-one-gpu", "shallow-ddp")  # the folders
 
 def read_runs(out_dir, figures):
     """Every figure the runs' logs and outputs hold, whether or not they ended (a run stopped by the budget
     keeps what it logged). A run that failed keeps its last 40 lines."""
-    train = {folder: runs.log_records(os.path.join(out_dir, folder), "train") for folder in
-             ("200m-whole", "200m-resumed", "200m-ddp-one-gpu", "200m-ddp", "1.2b")}
+    train_logs = {folder: runs.log_records(os.path.join(out_dir, folder), "train") for folder in RUN_NAMES}
     checks, outputs = figures["checks"], {}
     for name, run in figures["runs"].items():
         outputs[name] = open(run["output"]).read() if os.path.exists(run["output"]) else ""
         if run_line(name, run)[0] != "ok":
-            run["tail"] = outputs[name].splitlines()[-40:]
-    for name in ("200m-whole", "1.2b"):  # the runs the memory check reads (one process each)
-        run = figures["runs"].get(name, {})
-        run.update({key: max((r[key] for r in train[name] if key in r), default=None) for key in MEMORY_HEADROOM})
-    for check, folder in (("resume_cold_cache", "200m-resumed"), ("ddp_one_gpu", "200m-ddp-one-gpu"),
-                          ("ddp", "200m-ddp")):
-        if check in checks:  # measured once both runs have logged every step
-            checks[check] = largest_loss_difference(train["200m-whole"], train[folder], STEPS)
-    if train["200m-whole"] and figures["limits"]["eval"]:
-        first, last = train["200m-whole"][0], train["200m-whole"][-1]
-        checks["first_loss"] = abs(first["loss"] - figures["limits"]["eval"]) if first["step"] == 1 else None
+            run.update(tail=outputs[name].splitlines()[-40:], error=error_line(outputs[name]))
+    cut = {name for name, run in figures["runs"].items() if run.get("stopped", "").startswith("cut short")}
+    for name in set(RUN_NAMES) & set(figures["runs"]):  # the peaks, in the table (CUDA only)
+        figures["runs"][name].update({key: max((r[key] for r in train_logs[name] if key in r), default=None)
+                                      for key in MEMORY_HEADROOM})
+    whole = train_logs["shallow-whole"]
+    checks["resume_cold_cache"] = largest_difference(whole, train_logs["shallow-resumed"], STEPS, ("loss",))
+    hook = re.findall(r"gradient comm hook (\S+)", outputs.get("shallow-ddp-one-gpu", ""))
+    figures["comm_hook"] = hook[0] if hook else None
+    difference = largest_difference(whole, train_logs["shallow-ddp-one-gpu"], STEPS, ("loss", "grad_norm"))
+    wanted_hook = BF16_HOOK if figures["device"] != "cpu" else "none"
+    checks["ddp_one_gpu"] = difference if difference is None or figures["comm_hook"] == wanted_hook else math.inf
+    if "ddp" in checks:
+        checks["ddp"] = largest_difference(whole, train_logs["shallow-ddp"], STEPS, ("loss", "grad_norm"))
+    evaluation = next((r for r in runs.log_records(os.path.join(out_dir, "shallow-whole"), "eval")
+                       if r["step"] == STEPS), None)
+    if whole:
+        first, last = whole[0], whole[-1]
+        config = json.load(open(os.path.join(out_dir, "shallow-whole", "config.json")))
+        checks["first_loss"] = abs(first["loss"] - math.log(config["model"]["vocab_size"])) if first["step"] == 1 \
+            else None
         checks["loss_falls"] = last["loss"] / first["loss"] if last["step"] == STEPS else None
-    checks["eval"] = next((r["val_loss"] for r in runs.log_records(os.path.join(out_dir, "200m-whole"), "eval")),
-                          None)
-    saved = saved_step(outputs.get("200m-stopped", ""))
-    checks["signal_stop"] = steps_lost(outputs.get("200m-stopped", ""), saved, outputs.get("200m-resumed", ""))
-    if "memory" in checks:
-        checks["memory"] = memory_fraction({"200m": train["200m-whole"], "1.2b": train["1.2b"]})
-    resumed = [r for r in train["200m-resumed"] if saved is not None and r["step"] > saved]
-    for name, folder, steps, micro_batches in (("200m", "200m-resumed", resumed, 4),
-                                               ("1.2b", "1.2b", train["1.2b"], 2)):
-        figures["speed"][name] = speed(steps, micro_batches, os.path.join(out_dir, folder), figures["device"])
-    if "mfu 1.2b" in checks and figures["speed"]["1.2b"]:
-        checks["mfu 1.2b"] = figures["speed"]["1.2b"]["mfu"]
-    compiled = [r for r in train["1.2b"] if "graphs" in r]
+    if whole and evaluation and last["step"] == STEPS:
+        checks["eval"] = abs(evaluation["val_loss"] - last["loss"]) / last["loss"]
+        if figures["eager_val_loss"] is not None:
+            checks["eval_eager"] = abs(evaluation["val_loss"] - figures["eager_val_loss"]) / figures["eager_val_loss"]
+    saved = saved_step(outputs.get("shallow-stopped", ""))
+    checks["signal_stop"] = steps_lost(outputs.get("shallow-stopped", ""), saved, outputs.get("shallow-resumed", ""))
+    if "memory 1.2b" in checks and "1.2b" not in cut:
+        checks["memory 1.2b"] = memory_fraction(train_logs["1.2b"])
+    steady = [r for r in train_logs["1.2b"] if figures["large_quiet_from"] is not None
+              and r["step"] > max(2, figures["large_quiet_from"])]
+    figures["speed"] = speed(steady, 2, os.path.join(out_dir, "1.2b"), figures["device"])
+    if "mfu 1.2b" in checks and figures["speed"]:
+        checks["mfu 1.2b"] = figures["speed"]["mfu"]
+    compiled = [r for r in train_logs["1.2b"] if "graphs" in r]
     if "graph_breaks 1.2b" in checks and len(compiled) >= 2:
         checks["graph_breaks 1.2b"] = compiled[-1]["graph_breaks"]
         checks["recompiles 1.2b"] = compiled[-1]["graphs"] - compiled[1]["graphs"]
-    if "lev_share" in checks and figures["lev"] and figures["speed"]["1.2b"]:
-        checks["lev_share"] = figures["lev"]["seconds"] / figures["speed"]["1.2b"]["micro_step_s"]
-    if outputs:  # the runs' outputs, and this process's own kernels
-        checks["eager"] = sum(EAGER_WARNING in output for output in outputs.values()) + len(Fused.warned)
+    if "lev_share" in checks and figures["lev"] and figures["speed"]:
+        checks["lev_share"] = figures["lev"]["seconds"] / figures["speed"]["micro_step_s"]
+    if outputs and not cut and figures["ended"] == "done":  # every output whole, and this process's kernels
+        checks["eager"] = sum(EAGER_WARNING in output for output in outputs.values()) + len(figures["warned"])
 
 def run_line(name, run):
     """(state, line) for a run: ok when it ended as expected, or was stopped here once measured; INCOMPLETE
     when cut short by the end of this run (the budget, a signal, a crash here); FAIL otherwise."""
     stopped, code = run.get("stopped", ""), run.get("exit")
     line = f"run {name}: exit status {code}" + (f" ({stopped})" if stopped else "") + f" vs {run['expected']}"
+    line += f": {run['error']}" if run.get("error") else ""  # what a failed run said
     if stopped.startswith("by this run") or code == run["expected"] and not stopped:
         return "ok", line
     return ("INCOMPLETE" if stopped.startswith("cut short") else "FAIL"), line
 
-def largest_loss_difference(a, b, steps):
-    """The largest |loss difference| of two runs' records over steps 1..steps; None unless both logged them."""
-    losses = [{r["step"]: r["loss"] for r in records} for records in (a, b)]
-    if any(step not in run for run in losses for step in range(1, steps + 1)):
+def largest_difference(a, b, steps, keys):
+    """The largest difference of two runs' records over steps 1..steps, of each key: |loss difference|, and
+    |grad_norm difference| / a's grad_norm. None unless both logged every one of those steps."""
+    records = [{r["step"]: r for r in run} for run in (a, b)]
+    if any(step not in run for run in records for step in range(1, steps + 1)):
         return None
-    return max(abs(losses[0][step] - losses[1][step]) for step in range(1, steps + 1))
+    differences = []
+    for step in range(1, steps + 1):
+        mine, theirs = records[0][step], records[1][step]
+        differences += [abs(mine[key] - theirs[key]) / (mine[key] if key == "grad_norm" else 1) for key in keys]
+    return max(differences)
 
 def saved_step(output):
     """The step at which a run stopped by SIGTERM saved, from its output; None if it did not say so."""
@@ -385,27 +594,26 @@ def steps_lost(stopped, saved, resumed):
         return None
     return int(trained[-1]) - saved + abs(int(resumed_steps[0]) - saved - 1)
 
-def memory_fraction(logs):
-    """The worst peak (allocated, reserved) of the runs as a fraction of its limit (MEMORY_HEADROOM)."""
-    fractions = [max(r[key] for r in records) / (MEMORY_ESTIMATE_GB[size][0] * (1 + headroom))
-                 for size, records in logs.items() if records for key, headroom in MEMORY_HEADROOM.items()]
+def memory_fraction(records):
+    """The 1.2b run's worst peak (allocated, reserved) as a fraction of its limit (MEMORY_HEADROOM)."""
+    fractions = [max(r[key] for r in records) / (MEMORY_ESTIMATE_GB["1.2b"][0] * (1 + headroom))
+                 for key, headroom in MEMORY_HEADROOM.items() if records]
     return max(fractions, default=None)
 
 def speed(records, micro_batches, run_dir, device_name):
-    """Median tokens/s and MFU (Model.flops_per_token x tokens/s over one GPU's peak) of one process's steps but
-    its first two (compilation, first allocations), and the time of one micro-step; None if there are none."""
-    steady = records[2:]
-    if not steady:
+    """Median tokens/s and MFU (Model.flops_per_token x tokens/s over one GPU's peak) of the steps given, and
+    the time of one micro-step; None if there are none."""
+    if not records:
         return None
-    tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
-    batch_tokens = steady[0]["tokens_seen"] // steady[0]["step"]
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records)
+    batch_tokens = records[0]["tokens_seen"] // records[0]["step"]
     with torch.device("meta"):
         flops = Model(Config(**json.load(open(os.path.join(run_dir, "config.json")))["model"])).flops_per_token()
-    peak = peak_flops(device_name)
+    peak = train.peak_flops(device_name)
     return dict(tokens_per_s=tokens_per_s, mfu=flops * tokens_per_s / peak if peak else None,
-                micro_step_s=batch_tokens / tokens_per_s / micro_batches, steps=len(steady))
+                micro_step_s=batch_tokens / tokens_per_s / micro_batches, steps=len(records))
 
-# ---------------------------------------------------------------------------- measured in this process
+# ---------------------------------------------------------------------------- measured in the measuring process
 
 def shape_config(data_dir, shape):
     """The lev model of a shape (a size, or TOY) at the data's vocabulary."""
@@ -425,11 +633,20 @@ def zipf_ids(vocab_size, shape, exponent, seed=0):
     ranks = torch.multinomial(weights, math.prod(shape), replacement=True, generator=generator)
     return torch.randperm(vocab_size, generator=generator)[ranks].view(shape)
 
-def lev_reference_error(data_dir, device, shape):
+def lev_reference_error(args, device, shape):
     """LEV's fast path against generate_reference in float64 (LIMITS): the largest relative error of E and
-    of every parameter's gradient, for 4,096 distinct ids."""
-    cfg = shape_config(data_dir, shape)
-    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:4096].sort().values
+    of every parameter's gradient, for each of LEV_IDS ids (on a CPU, with TOY_CHUNK_FLOATS)."""
+    cfg = shape_config(args.data_dir, shape)
+    budget = leviathan.CHUNK_FLOATS_CPU
+    leviathan.CHUNK_FLOATS_CPU = TOY_CHUNK_FLOATS
+    try:
+        return max(lev_error(cfg, device, n) for n in LEV_IDS)
+    finally:
+        leviathan.CHUNK_FLOATS_CPU = budget
+
+def lev_error(cfg, device, n):
+    # n ids, repeated where the vocabulary is smaller (the toy's): the seed chunks follow n alone
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
     torch.manual_seed(0)
     lev = LEV.from_config(cfg).to(device)
     reference = LEV.from_config(cfg).to(device, torch.float64)
@@ -442,10 +659,10 @@ def lev_reference_error(data_dir, device, shape):
     return max([relative_error(fast, exact)] + [relative_error(p.grad, q.grad) for p, q in
                                                 zip(lev.parameters(), reference.parameters())])
 
-def loss_reference_error(data_dir, device, shape):
+def loss_reference_error(args, device, shape):
     """The chunked loss against F.cross_entropy on the whole logits, both under bf16 autocast (LIMITS): the
     largest relative error of the loss, dL/dx and dL/dW, for one micro-batch at the shape's head."""
-    cfg = shape_config(data_dir, shape)
+    cfg = shape_config(args.data_dir, shape)
     tokens = math.prod(micro_batch_shape(shape))
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, cfg.d_model, generator=generator).to(device).requires_grad_()
@@ -456,15 +673,19 @@ def loss_reference_error(data_dir, device, shape):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = loss_fn(x, w, targets)
         results.append((loss.detach(), *torch.autograd.grad(loss, (x, w))))
+        del loss
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the whole logits' ~20 GB, back to the GPU for the runs beside
     return max(relative_error(got, want) for got, want in zip(*results))
 
-def grad_reference(data_dir, device, shape):
-    """(worst relative gradient error, gradient norm ratio, sdpa_kernel's figure) of two micro-batches of real
-    text through train.py's accumulate_gradients, the model compiled under bf16 autocast, against the eager
-    float32 model on both at once (LIMITS). The second, compiled pass is profiled for its attention kernels."""
-    cfg, (micro_batch, seq_len) = shape_config(data_dir, shape), micro_batch_shape(shape)
-    meta, splits, *_ = open_data(data_dir)
-    train_windows = Windows(splits["train"], seq_len, 0, meta["vocab_size"])
+def grad_reference(m, shape):
+    """grad_reference, the gradient norm ratio and sdpa_kernel into the figures: two micro-batches of real text
+    through train.py's accumulate_gradients, the model compiled under bf16 autocast, against the eager float32
+    model on both at once (LIMITS). The second, compiled pass is profiled for its attention kernels."""
+    device = m.device
+    cfg, (micro_batch, seq_len) = shape_config(m.args.data_dir, shape), micro_batch_shape(shape)
+    meta, splits, *_ = train.open_data(m.args.data_dir)
+    train_windows = train.Windows(splits["train"], seq_len, 0, meta["vocab_size"])
     windows = [train_windows[p] for p in range(2 * micro_batch)]
     torch.manual_seed(0)
     reference = Model(cfg).to(device)
@@ -473,12 +694,12 @@ def grad_reference(data_dir, device, shape):
     fast.compile()
     run = SimpleNamespace(model=fast, config=SimpleNamespace(micro_batch=micro_batch), accum=2, rank=0, world=1,
                           device=device, lev=True, autocast=precision(device, bf16=True))
-    accumulate_gradients(run, windows)  # compiles
+    train.accumulate_gradients(run, windows)  # compiles
     fast.zero_grad(set_to_none=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                            if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
-        accumulate_gradients(run, windows)
+        train.accumulate_gradients(run, windows)
     xy = torch.from_numpy(np.stack(windows).astype(np.int64)).to(device)
     reference(xy[:, :-1], xy[:, 1:]).backward()
     pairs = [(p.grad, q.grad) for p, q in zip(fast.parameters(), reference.parameters())]
@@ -487,28 +708,53 @@ def grad_reference(data_dir, device, shape):
     names = [event.key for event in profile.key_averages()]
     fallbacks = sum(bool(re.search(r"scaled_dot_product_attention_math", n)) for n in names)
     fast_kernels = any(re.search(r"flash|cudnn", n, re.I) for n in names)
-    return worst, ratio.item(), fallbacks + (0 if fast_kernels else 1)
+    del reference, fast, pairs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    m.figures["checks"].update(grad_reference=worst, sdpa_kernel=fallbacks + (0 if fast_kernels else 1))
+    m.figures["grad_norm_ratio"] = ratio.item()
 
-def lev_figures(data_dir, device, shape):
-    """LEV's forward and backward for one micro-batch of the shape, of Zipf ids over the data's vocabulary,
-    as the model runs it: compiled on CUDA, under bf16 autocast (which LEV turns off inside). The median of
-    10 calls after 3 (compilation, warm-up)."""
+def eager_evaluation(m):
+    """train.py --eval_only, eager and in float32, of the checkpoint shallow-whole saves at step STEPS (linked
+    into a folder of its own: the run's log and eval file are its own), once saved; its validation loss."""
+    args = m.args
+    wait_for_file(m, os.path.join(args.out_dir, "shallow-whole", "ckpt.pt"), "shallow-whole")
+    folder = os.path.join(args.out_dir, "shallow-eager")
+    os.makedirs(folder)
+    os.link(os.path.join(args.out_dir, "shallow-whole", "ckpt.pt"), os.path.join(folder, "ckpt.pt"))
+    with open(os.path.join(args.out_dir, "shallow-eager.txt"), "w") as output, contextlib.redirect_stdout(output):
+        code = train.main(["--eval_only", f"--out_dir={folder}", f"--data_dir={args.data_dir}",
+                           f"--device={args.device}", "--compile=false", "--bf16=false"])
+    if code != 0:
+        raise RuntimeError(f"train.py --eval_only ended with exit status {code}")
+    return runs.log_records(folder, "eval")[-1]["val_loss"]
+
+def lev_compiled(data_dir, device, shape):
+    """LEV of the shape and a micro-batch of Zipf ids over the data's vocabulary, LEV run as the model runs it
+    (compiled on CUDA, under bf16 autocast, which LEV turns off inside) until compiled and warm: 3 calls."""
     ids = zipf_ids(load_meta(data_dir)["vocab_size"], micro_batch_shape(shape), ZIPF_EXPONENT).to(device)
     torch.manual_seed(0)
     lev = LEV.from_config(shape_config(data_dir, shape)).to(device)
     if device.type == "cuda":
         compile_lev(lev)
-    times = []
-    for _ in range(13):
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            embeddings = lev(ids)
-        embeddings.sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    for _ in range(3):
+        lev_forward_backward(lev, ids)
+    return lev, ids
+
+def lev_forward_backward(lev, ids):
+    """Seconds of one forward and backward of LEV (waiting for the GPU)."""
+    start = time.perf_counter()
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        embeddings = lev(ids)
+    embeddings.sum().backward()
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+def lev_timed(lev, ids):
+    """LEV alone, its median over 10 calls on an otherwise idle GPU."""
     return dict(zipf_exponent=ZIPF_EXPONENT, tokens=ids.numel(), distinct_ids=ids.unique().numel(),
-                seconds=statistics.median(times[3:]))
+                seconds=statistics.median(lev_forward_backward(lev, ids) for _ in range(10)))
 
 def disk_speed(out_dir, size, shape, data_dir):
     """Write + fsync of a file of `size` bytes in out_dir (then deleted): GB/s, and what a save of the 1.2b
@@ -537,34 +783,20 @@ def prepare_o200k_demo(data_dir):
         raise UserError(f"prepare_data.py could not prepare {data_dir}: "
                         + (result.stderr.strip().splitlines() or ["no message"])[-1])
 
-def timed_parts(seconds, deadline):
-    """part(name): a context that enters the seconds its block took in seconds[name] and prints them; none
-    starts past the deadline."""
-    @contextlib.contextmanager
-    def part(name):
-        check_time(deadline)
-        start = time.time()
-        try:
-            yield
-        finally:
-            seconds[name] = round(time.time() - start, 1)
-            print(f"  {name}: {seconds[name]:.0f} s", flush=True)
-    return part
-
 # ---------------------------------------------------------------------------- the verdict
 
 def shown(check, value):
     """A check's figure or limit as printed."""
     if value is None:
         return "not measured"
-    return f"{value:.1%}" if check in ("lev_share", "mfu 1.2b", "memory") else f"{value:.3g}"
+    return f"{value:.1%}" if check in ("lev_share", "mfu 1.2b", "memory 1.2b", "eval") else f"{value:.3g}"
 
 def check_lines(figures):
-    """Every check as [state, line]: ok, FAIL or INCOMPLETE (not measured), each run's first. A function of
-    the figures alone."""
+    """Every check as [state, line]: ok, FAIL or INCOMPLETE (not measured), each run's first, then each crash
+    of a measurement. A function of the figures alone."""
     lines = [list(run_line(name, run)) for name, run in figures["runs"].items()]
-    if figures.get("crash"):
-        lines.append(["FAIL", f"this process {figures['ended']}"])
+    for name, trace in figures["crashes"].items():
+        lines.append(["FAIL", f"{name} crashed: {trace[-1] if trace else ''}"])
     for check, figure in figures["checks"].items():
         limit = figures["limits"][check]
         measured = figure is not None and limit is not None
@@ -580,18 +812,21 @@ def verdict(lines):
 
 def report(figures, json_path):
     """The figures, every check, and the verdict last; returns the exit status (PASS 0, FAIL 1, INCOMPLETE 2)."""
-    print(f"\n{'run':<18}{'tokens/s':>10}{'MFU':>7}{'peak GB: allocated':>20}{'reserved':>10}")
+    print(f"\n{'run':<22}{'seconds':>8}{'exit':>6}{'peak GB: allocated':>20}{'reserved':>10}")
     for name, run in figures["runs"].items():
-        size = "1.2b" if name == "1.2b" else "200m" if name == "200m-resumed" else None
-        speed_ = figures["speed"].get(size) or {}
-        print(f"{name:<18}{cell(speed_.get('tokens_per_s'), ',.0f'):>10}{cell(speed_.get('mfu'), '.1%'):>7}"
+        print(f"{name:<22}{cell(run.get('seconds'), '.0f'):>8}{cell(run.get('exit'), 'd'):>6}"
               f"{cell(run.get('peak_mem_gb'), '.1f'):>20}{cell(run.get('peak_reserved_gb'), '.1f'):>10}")
+    if figures["speed"]:
+        speed_ = figures["speed"]
+        print(f"1.2b: {speed_['tokens_per_s']:,.0f} tokens/s, MFU {cell(speed_['mfu'], '.1%')} (median of "
+              f"{speed_['steps']} steps with the GPU its own)")
     if figures["disk"]:
         disk = figures["disk"]
         print(f"disk: {disk['gb_per_s']:.2f} GB/s written and synced; a 1.2b checkpoint ({disk['checkpoint_gb']:.1f}"
               f" GB) would take {disk['checkpoint_s']:.0f} s")
     if figures["grad_norm_ratio"] is not None:
         print(f"gradient norm, compiled bf16 over eager float32: {figures['grad_norm_ratio']:.4f}")
+    print(f"DDP's gradient comm hook in shallow-ddp-one-gpu: {figures['comm_hook'] or 'not reported'}")
     if figures["lev"]:
         lev = figures["lev"]
         print(f"LEV alone, forward + backward: {lev['seconds'] * 1e3:.1f} ms for {lev['distinct_ids']:,} distinct "
@@ -602,7 +837,8 @@ def report(figures, json_path):
         print(f"{'skip':<11}{check}: {why}")
     minutes, seconds = divmod(round(figures["wall_s"]), 60)
     parts = ", ".join(f"{name} {s:.0f} s" for name, s in figures["seconds"].items())
-    print(f"wall time {minutes} min {seconds:02d} s ({parts}); {figures['ended']}; every figure in {json_path}")
+    print(f"wall time {minutes} min {seconds:02d} s from the start ({parts}); {figures['ended']}; every figure "
+          f"in {json_path}")
     result, total = verdict(figures["lines"]), len(figures["lines"])
     counts = {state: sum(s == state for s, _ in figures["lines"]) for state in ("FAIL", "INCOMPLETE")}
     print(f"{result}: all {total} checks" if result == "PASS" else f"{result}: " + ", ".join(

@@ -109,16 +109,21 @@ def descendants(pid):
     return found
 
 
+def signal_run(pid, stop_signal):
+    """Send stop_signal to the session of the run started as pid, and to its workers (in sessions of their own)."""
+    workers = descendants(pid)  # before torchrun ends: its workers would be orphans then
+    with contextlib.suppress(ProcessLookupError):  # it ended in between
+        os.killpg(pid, stop_signal)
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, stop_signal)
+
+
 def stop(process, stop_signal=signal.SIGTERM):
     """Send stop_signal to a run's whole session and its workers', if it is still going, and wait for it to
     end. SIGTERM lets train.py save a checkpoint; SIGKILL ends a run that hangs (in a collective)."""
     if process.poll() is None:
-        workers = descendants(process.pid)  # before torchrun ends: its workers would be orphans then
-        with contextlib.suppress(ProcessLookupError):  # it ended in between
-            os.killpg(process.pid, stop_signal)
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, stop_signal)
+        signal_run(process.pid, stop_signal)
     process.wait()
 
 
