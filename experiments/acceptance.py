@@ -1,8 +1,9 @@
 """The GPU acceptance run: whether the CUDA path does what the README says, on one GPU, in at most 8 minutes.
 
-    python -m experiments.bench gpu         # PASS (exit 0), FAIL (1: a figure is wrong) or INCOMPLETE (2: a
+    python -m experiments.acceptance        # PASS (exit 0), FAIL (1: a figure is wrong) or INCOMPLETE (2: a
                                             # figure not measured in time); every figure in bench_gpu.json
-    python -m experiments.bench gpu --toy   # every check on a CPU, a micro model in place of the GPU's
+    python -m experiments.acceptance --toy  # every check on a CPU, a micro model in place of the GPU's
+    (python -m experiments.bench gpu [--toy] is the same)
 
 It runs train.py as a user does (torch.compile, bf16 autocast, fused AdamW, micro-batches of 16 x 512) on the
 demo corpus with the full o200k vocabulary, and holds the GPU to references computed in float32/float64 on the
@@ -36,6 +37,7 @@ in-process work ~140 s); LEV 2 s; DDP 80 s (start and rendezvous 30 s, compile 4
 10 s: ~310 s of the 480, so that the measuring ends ~160 s before its deadline (470 s). An overrun loses
 first the DDP part (ddp_one_gpu, ddp), then lev_share; every other figure is measured before them.
 """
+import argparse
 import contextlib
 import copy
 import dataclasses
@@ -60,9 +62,8 @@ import torch.nn.functional as F
 import leviathan
 import train
 from experiments import runs
-from experiments.bench import MEMORY_ESTIMATE_GB, PREPARE_DATA, error_line, parameter_count, size_model
-from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, padded_vocab, precision
-from prepare_data import UserError, load_meta, read_json, write_json
+from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, precision
+from prepare_data import ArgumentParser, UserError, load_meta, read_json, run_main, write_json
 
 BUDGET_S = 8 * 60  # this command's start to its verdict (a lent GPU comes with ~15 minutes, start-up included)
 CLOSING_S = 10  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict
@@ -153,6 +154,9 @@ LIMITS = {
     "lev_share": 0.05,
 }
 FLOORS = {"mfu 1.2b"}
+# The README's memory estimates ("Memory and time"), GB per GPU at micro-batch 16 x 512: (one GPU, with DDP),
+# `python -m experiments.bench memory` rounded up. The README's table must say the same (a test checks it).
+MEMORY_ESTIMATE_GB = {"200m": (8, 8), "400m": (15, 15), "1.2b": (37, 37)}  # DDP: gradients are bucket views
 MEMORY_HEADROOM = {"peak_mem_gb": 0.10, "peak_reserved_gb": 0.20}  # allocated, reserved
 BF16_HOOK = "bf16_compress_hook"  # torch's, as DDP names it (train.py prints it)
 
@@ -201,6 +205,36 @@ def acceptance(args, device, start):
     figures["lines"] = check_lines(figures)
     write_json(args.json, figures)
     return report(figures, args.json)
+
+def main(argv, start):
+    """python -m experiments.acceptance's options -> the verdict's exit status; start: the command's start."""
+    parser = ArgumentParser("-m experiments.acceptance", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--toy", action="store_true",
+                        help="every check on a CPU (or a GPU), a micro model in place of the GPU's")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda, or cpu with --toy")
+    parser.add_argument("--out_dir", default=os.path.join("out", "acceptance"),
+                        help="the folder of its runs and checkpoints, new or empty; deleted at the end")
+    parser.add_argument("--json", default="bench_gpu.json", help="the file of every figure, whatever the verdict")
+    parser.add_argument("--data_dir", default=os.path.join("data", "demo-o200k"),
+                        help="the demo corpus with the full o200k vocabulary (prepared there if missing)")
+    args = parser.parse_args(argv)
+    check_options(args)
+    return acceptance(args, torch.device(args.device), start)
+
+def check_options(args):
+    """Refuse at once what would make the run fail late or delete files."""
+    if args.device not in ("cpu", "cuda") or args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device={args.device}: must be cuda on a machine with a CUDA GPU, or cpu with --toy")
+    if args.device != "cuda" and not args.toy:
+        raise UserError("the acceptance run needs a CUDA GPU (this machine has none); --toy runs its checks "
+                        "on a CPU")
+    if os.path.exists(args.out_dir) and not (os.path.isdir(args.out_dir) and not os.listdir(args.out_dir)):
+        raise UserError(f"--out_dir={args.out_dir} exists and is not an empty folder; the runs go there and it is "
+                        "deleted at the end: give a new or empty folder")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise UserError(f"--json={args.json}: its folder does not exist")
 
 def command_start():
     """When this process started (Linux's /proc): the budget counts the seconds of importing torch too.
@@ -266,7 +300,7 @@ def due_checks(figures, cuda):
 @dataclasses.dataclass
 class Measuring:
     """What the measuring process shares between its parts (and its one helper thread)."""
-    args: SimpleNamespace  # the bench's options, and device
+    args: SimpleNamespace  # the command's options, and device
     device: torch.device
     figures: dict  # written to state_path under lock as they change
     state: dict
@@ -348,7 +382,7 @@ def measure(m):
         pair.start()
         isolated(m, "lev_reference", lambda: checks.update(lev_reference=lev_reference_error(args, device, large)))
         isolated(m, "loss_reference", lambda: checks.update(loss_reference=loss_reference_error(args, device, large)))
-        lev = isolated(m, "LEV alone", lambda: lev_compiled(args.data_dir, device, large))
+        lev = isolated(m, "LEV compiled", lambda: lev_compiled(args.data_dir, device, large))
         isolated(m, "disk", lambda: figures.update(disk=disk_speed(args.out_dir, (64 << 20) if args.toy
                                                                    else (2 << 30), large, args.data_dir)))
         isolated(m, "grad_reference", lambda: grad_reference(m, shape_of("200m", args.toy)))
@@ -432,8 +466,8 @@ def shape_of(size, toy):
 
 def micro_batch_shape(shape):
     """(sequences, tokens per sequence) of one micro-batch of a shape."""
-    preset = train.resolve({"size": shape["size"]})
-    return shape.get("micro_batch", preset.micro_batch), shape.get("seq_len", preset.seq_len)
+    config = train.resolve(shape)
+    return config.micro_batch, config.seq_len
 
 def options(args, shape, folder, micro_batches, *more):
     """train.py's options: the shape, micro_batches micro-batches a step of a 1000-step schedule (2 steps of
@@ -515,7 +549,7 @@ def read_runs(out_dir, figures):
     for name, run in figures["runs"].items():
         outputs[name] = open(run["output"]).read() if os.path.exists(run["output"]) else ""
         if run_line(name, run)[0] != "ok":
-            run.update(tail=outputs[name].splitlines()[-40:], error=error_line(outputs[name]))
+            run.update(tail=outputs[name].splitlines()[-40:], error=runs.error_line(outputs[name]))
     cut = {name for name, run in figures["runs"].items() if run.get("stopped", "").startswith("cut short")}
     for name in set(RUN_NAMES) & set(figures["runs"]):  # the peaks, in the table (CUDA only)
         figures["runs"][name].update({key: max((r[key] for r in train_logs[name] if key in r), default=None)
@@ -616,11 +650,8 @@ def speed(records, micro_batches, run_dir, device_name):
 # ---------------------------------------------------------------------------- measured in the measuring process
 
 def shape_config(data_dir, shape):
-    """The lev model of a shape (a size, or TOY) at the data's vocabulary."""
-    vocab_size = load_meta(data_dir)["vocab_size"]
-    model_fields = {f.name for f in dataclasses.fields(Config)}
-    return size_model(shape["size"], vocab_size=padded_vocab(vocab_size),
-                      **{key: value for key, value in shape.items() if key in model_fields})
+    """The lev model of a shape (a size's options, or TOY's) at the data's vocabulary."""
+    return train.model_config(train.resolve(shape), load_meta(data_dir)["vocab_size"])
 
 def relative_error(got, want):
     """The largest |got - want|, relative to want's largest entry."""
@@ -721,7 +752,11 @@ def eager_evaluation(m):
     wait_for_file(m, os.path.join(args.out_dir, "shallow-whole", "ckpt.pt"), "shallow-whole")
     folder = os.path.join(args.out_dir, "shallow-eager")
     os.makedirs(folder)
-    os.link(os.path.join(args.out_dir, "shallow-whole", "ckpt.pt"), os.path.join(folder, "ckpt.pt"))
+    checkpoint = os.path.join(args.out_dir, "shallow-whole", "ckpt.pt")
+    try:
+        os.link(checkpoint, os.path.join(folder, "ckpt.pt"))
+    except OSError:  # a filesystem without hard links: a copy (~2 GB)
+        shutil.copyfile(checkpoint, os.path.join(folder, "ckpt.pt"))
     with open(os.path.join(args.out_dir, "shallow-eager.txt"), "w") as output, contextlib.redirect_stdout(output):
         code = train.main(["--eval_only", f"--out_dir={folder}", f"--data_dir={args.data_dir}",
                            f"--device={args.device}", "--compile=false", "--bf16=false"])
@@ -768,7 +803,9 @@ def disk_speed(out_dir, size, shape, data_dir):
         os.fsync(f.fileno())
     gb_per_s = size / 1e9 / (time.time() - start)
     os.remove(path)
-    checkpoint_gb = 12 * parameter_count(shape_config(data_dir, shape)) / 1e9
+    with torch.device("meta"):  # shapes only, no memory
+        parameters = Model(shape_config(data_dir, shape)).param_counts()["total"]
+    checkpoint_gb = 12 * parameters / 1e9
     return dict(gb_per_s=gb_per_s, checkpoint_gb=checkpoint_gb, checkpoint_s=checkpoint_gb / gb_per_s)
 
 def prepare_o200k_demo(data_dir):
@@ -777,7 +814,7 @@ def prepare_o200k_demo(data_dir):
     if all(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "token_bytes.npy")):
         return
     print(f"preparing {data_dir}: the demo corpus with the full o200k vocabulary", flush=True)
-    result = subprocess.run([sys.executable, PREPARE_DATA, "--dataset=demo", "--vocab_size=0",
+    result = subprocess.run([sys.executable, runs.PREPARE_DATA, "--dataset=demo", "--vocab_size=0",
                              f"--out_dir={data_dir}"], capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"prepare_data.py could not prepare {data_dir}: "
@@ -847,3 +884,7 @@ def report(figures, json_path):
 
 def cell(value, spec):
     return "-" if value is None else format(value, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(lambda argv: main(argv, command_start()), sys.argv[1:]))

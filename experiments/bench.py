@@ -1,14 +1,14 @@
-"""Benchmarks that print figures, and the GPU acceptance run.
+"""Benchmarks that print figures; `gpu` is the GPU acceptance run's alias.
 
-    python -m experiments.bench          # every section but gpu
+    python -m experiments.bench          # every section
     python -m experiments.bench model    # lev vs tied vs untied step time and peak memory
     python -m experiments.bench model --compile
     python -m experiments.bench memory   # the README's memory table: what the compiled graph saves, at each paper size
-    python -m experiments.bench gpu      # the acceptance run on a CUDA GPU (acceptance.py): PASS, FAIL or INCOMPLETE
+    python -m experiments.bench gpu      # python -m experiments.acceptance: PASS, FAIL or INCOMPLETE on a CUDA GPU
 
 Ratios are what to compare: each is measured within one run, the arms interleaved
 step by step so that a machine slowing down affects all of them alike. No test depends
-on the figures (timings vary by machine); `gpu` checks its own against thresholds.
+on the figures (timings vary by machine); the acceptance run checks its own against thresholds.
 """
 import argparse
 import dataclasses
@@ -26,13 +26,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from experiments import runs
+from experiments import acceptance, runs
+from experiments.acceptance import MEMORY_ESTIMATE_GB
 from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Model, generate, linear_cross_entropy, padded_vocab
 from prepare_data import ArgumentParser, UserError, demo_documents, get_tokenizer, parse_number, run_main
 from train import model_config, resolve
-
-PREPARE_DATA = os.path.join(runs.ROOT, "prepare_data.py")
-
 
 # The ids of each size's data folder: prepare_data.py's demo vocabulary and o200k_base's.
 DATA_IDS = {"data/demo": 8192, "data/pile": 200_019}
@@ -214,7 +212,7 @@ def bench_data(args, device):
         encoded = tokenizer.encode_ordinary_batch(docs, num_threads=os.cpu_count())
         rates["tiktoken"].append((sum(map(len, encoded)) + len(docs)) / (time.perf_counter() - start))
         with tempfile.TemporaryDirectory() as out_dir:
-            result = subprocess.run([sys.executable, PREPARE_DATA, "--dataset=demo", f"--out_dir={out_dir}"],
+            result = subprocess.run([sys.executable, runs.PREPARE_DATA, "--dataset=demo", f"--out_dir={out_dir}"],
                                     check=True, capture_output=True, text=True)
         splits = [(int(tokens.replace(",", "")), int(rate.replace(",", ""))) for tokens, rate in
                   re.findall(r"^\w+: [\d,]+ documents, ([\d,]+) tokens, ([\d,]+) tokens/s$", result.stdout, re.M)]
@@ -279,7 +277,7 @@ def bench_train(args, device):
                                             "--eval_interval=1000", f"--out_dir={out_dir}"], output=output))
             if code:
                 with open(output) as f:
-                    raise UserError(f"train.py failed (exit status {code}): {error_line(f.read())}")
+                    raise UserError(f"train.py failed (exit status {code}): {runs.error_line(f.read())}")
             # the first log interval includes start-up; the rest is steady-state training
             rates[embedding] += [r["tokens_per_s"] for r in runs.log_records(out_dir, "train") if r["step"] > 10]
     print(f"\ntraining loop, tiny preset on the demo corpus, {device.type} ({args.repeats} interleaved runs of {steps} steps)")
@@ -382,76 +380,36 @@ def bench_memory(args, device):
         for name, value in parts.items():
             print(f"  {name:<64}{value / 1e9:6.2f}")
         print(f"  {'total (DDP adds nothing: the gradients are its buckets)':<64}{sum(parts.values()) / 1e9:6.2f}"
-              f"   (README and experiments.bench gpu: {MEMORY_ESTIMATE_GB[size][0]})", flush=True)
-
-
-# The README's memory estimates ("Memory and time"), GB per GPU at micro-batch 16 x 512: (one GPU,
-# with DDP), `python -m experiments.bench memory` rounded up. The README's table must say the same
-# (test_bench_gpu_memory_estimates_match_the_readme).
-MEMORY_ESTIMATE_GB = {"200m": (8, 8), "400m": (15, 15), "1.2b": (37, 37)}  # DDP: gradients are bucket views
-
-
-def error_line(output):
-    """What a failed run said: train.py's one `error:` line, else the first line naming an exception
-    (a worker's, before torchrun's own; [rankN]: prefixes dropped), else its last line."""
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in output.strip().splitlines()] or ["no output"]
-    return next((line for line in lines if line.startswith("error:")), None) or next(
-        (line for line in lines if re.match(r"\w+(\.\w+)*(Error|Exception)\b", line)), lines[-1])
-
-
-
-def bench_gpu(args, device):
-    """The GPU acceptance run (experiments/acceptance.py, which imports this file); its exit status. Its
-    budget counts from the start of the command (importing torch included), or of this call in-process."""
-    from experiments import acceptance
-    start = acceptance.command_start() if __name__ == "__main__" else time.time()
-    return acceptance.acceptance(args, device, start)
-
-
-def check_gpu_options(args, device):
-    """Refuse at once, before any section runs, what would make `gpu` fail late or delete files."""
-    if device.type != "cuda" and not args.toy:
-        raise UserError("`python -m experiments.bench gpu` needs a CUDA GPU (this machine has none); "
-                        "`gpu --toy` runs its checks on a CPU, and the other sections run on CPU")
-    if os.path.exists(args.out_dir) and not (os.path.isdir(args.out_dir) and not os.listdir(args.out_dir)):
-        raise UserError(f"--out_dir={args.out_dir} exists and is not an empty folder; the runs go there and it is "
-                        "deleted at the end: give a new or empty folder")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise UserError(f"--json={args.json}: its folder does not exist")
+              f"   (README and experiments.acceptance: {MEMORY_ESTIMATE_GB[size][0]})", flush=True)
 
 
 SECTIONS = {"model": bench_model, "loss": bench_loss, "data": bench_data, "train": bench_train, "sample": bench_sample,
-            "memory": bench_memory, "gpu": bench_gpu}
+            "memory": bench_memory}
 
 
 def bench(argv):
+    if argv[:1] == ["gpu"]:  # an alias of `python -m experiments.acceptance`, whose options follow
+        start = acceptance.command_start() if __name__ == "__main__" else time.time()
+        return acceptance.main(argv[1:], start)
     parser = ArgumentParser("-m experiments.bench", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all but gpu)")
+    parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all); or gpu alone")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
     parser.add_argument("--repeats", type=parse_number(int), default=5,
                         help="each figure is the median of this many runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--out_dir", default=os.path.join("out", "bench-gpu"),
-                        help="gpu: the folder of its runs and checkpoints, new or empty; deleted at the end")
-    parser.add_argument("--json", default="bench_gpu.json", help="gpu: the file of every figure (written whatever the verdict)")
-    parser.add_argument("--data_dir", default=os.path.join("data", "demo-o200k"),
-                        help="gpu: the demo corpus with the full o200k vocabulary (prepared there if missing)")
-    parser.add_argument("--toy", action="store_true",
-                        help="gpu: every check on a CPU (or a GPU), a micro model in place of 200m and 1.2b")
     args = parser.parse_args(argv)
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)} "
+                     "(gpu: alone, first)")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: must be >= 1 (each figure is a median over repeats)")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         parser.error(f"--device={args.device}: must be cpu, or cuda on a machine with a CUDA GPU")
     device = torch.device(args.device)
-    if "gpu" in args.sections:
-        check_gpu_options(args, device)
-    statuses = [SECTIONS[section](args, device) for section in args.sections or [s for s in SECTIONS if s != "gpu"]]
-    return next((status for status in statuses if status), 0)  # gpu's verdict
+    for section in args.sections or SECTIONS:
+        SECTIONS[section](args, device)
 
 
 if __name__ == "__main__":

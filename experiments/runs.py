@@ -9,6 +9,7 @@ checkpoint and exits, and `--resume` continues it.
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from train import DEFAULTS, RESUME_FREE, parse_args, resolve, run_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
+PREPARE_DATA = os.path.join(ROOT, "prepare_data.py")
 
 
 def log_records(run_dir, kind):
@@ -41,6 +43,14 @@ def log_records(run_dir, kind):
             raise UserError(f"{path}, line {number}: not a log record (damaged or edited); delete it and run again")
         records.append(record)
     return [r for r in records if r["type"] == kind]
+
+
+def error_line(output):
+    """What a failed run said: train.py's one `error:` line, else the first line naming an exception
+    (a worker's, before torchrun's own; [rankN]: prefixes dropped), else its last line."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in output.strip().splitlines()] or ["no output"]
+    return next((line for line in lines if line.startswith("error:")), None) or next(
+        (line for line in lines if re.match(r"\w+(\.\w+)*(Error|Exception)\b", line)), lines[-1])
 
 
 def finished(run_dir, options=None):

@@ -625,11 +625,14 @@ def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
 
 def test_bench_options_out_of_range_are_one_error_line(capsys):
     """In this process (run_main is what the module runs), and once as a user runs it."""
-    for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch")]:
+    for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch"),
+                         (["model", "gpu"], "gpu: alone, first"), (["gpu", "--device=tpu"], "--device=tpu"),
+                         (["gpu", "--repeats=3"], "unrecognized arguments: --repeats=3")]:
         assert_one_error_line(run_main(bench.bench, args), capsys.readouterr().err, phrase)
-    if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one
-        r = run_module("bench", "gpu")
-        assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU")
+    if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one, under either name
+        for module, args in (("acceptance", ()), ("bench", ("gpu",))):
+            r = run_module(module, *args)
+            assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU", "--toy")
 
 
 def test_acceptance_mfu_is_the_models_flops_over_the_gpus_peak(tmp_path):
@@ -700,26 +703,26 @@ def test_acceptance_signal_stop_counts_the_steps_lost():
     assert acceptance.steps_lost(stopped, 4, "") is None and acceptance.saved_step("step 3/1000\n") is None
 
 
-def test_bench_gpu_names_what_a_failed_run_said():
+def test_runs_name_what_a_failed_run_said():
     """A crashed run's FAIL line carries train.py's error line, or the exception of a traceback: a
     worker's under torchrun, not torchrun's own that follows it."""
-    assert bench.error_line("config: {}\n[rank0]: error: no prepared data in x\n") == "error: no prepared data in x"
+    assert runs.error_line("config: {}\n[rank0]: error: no prepared data in x\n") == "error: no prepared data in x"
     torchrun = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"train.py\", line 1\n"
                 "[rank1]: torch.OutOfMemoryError: CUDA out of memory.\nE1201 12:00:00 failed (exitcode: 1)\n"
                 "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\n")
-    assert bench.error_line(torchrun) == "torch.OutOfMemoryError: CUDA out of memory."
-    assert bench.error_line("step 1/10\nKilled\n") == "Killed" and bench.error_line("") == "no output"
+    assert runs.error_line(torchrun) == "torch.OutOfMemoryError: CUDA out of memory."
+    assert runs.error_line("step 1/10\nKilled\n") == "Killed" and runs.error_line("") == "no output"
 
 
-def test_bench_gpu_memory_estimates_match_the_readme():
-    """`bench.py gpu` holds peak memory to the README's estimates: both must give the same figures."""
+def test_acceptance_memory_estimates_match_the_readme():
+    """The acceptance run holds peak memory to the README's estimates: both must give the same figures."""
     readme = Path(HERE, "README.md").read_text()
     rows = re.findall(r"^\| (\S+) \| [^|\n]+ \| [^|\n]+ \| ~(\d+) GB \| ~(\d+) GB \|$", readme, re.M)
-    assert {size: (int(one), int(ddp)) for size, one, ddp in rows} == bench.MEMORY_ESTIMATE_GB
+    assert {size: (int(one), int(ddp)) for size, one, ddp in rows} == acceptance.MEMORY_ESTIMATE_GB
 
 
 def acceptance_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir):
-    """`bench.py gpu --toy` (every check on a CPU, a micro model in place of the GPU's) called in this process,
+    """`acceptance --toy` (every check on a CPU, a micro model in place of the GPU's) called in this process,
     its measuring process and train.py runs in their own, where datasets, zstandard and pyarrow cannot be
     imported (a cluster may lack them): (exit status, output lines, the figures from --json)."""
     blocked = tmp_path / "blocked"
@@ -729,13 +732,13 @@ def acceptance_toy(data_dir, tmp_path, monkeypatch, capsys, out_dir):
     monkeypatch.chdir(HERE)
     for name, value in {**SCRIPT_ENV, "PYTHONPATH": f"{blocked}{os.pathsep}{HERE}"}.items():
         monkeypatch.setenv(name, value)
-    code = bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
-                        f"--json={tmp_path / 'figures.json'}"])
+    code = acceptance.main(["--toy", "--device=cpu", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
+                            f"--json={tmp_path / 'figures.json'}"], time.time())
     return code, capsys.readouterr().out.strip().splitlines(), json.loads((tmp_path / "figures.json").read_text())
 
 
 def toy_in_a_copy(tmp_path, data_dir, changes, timeout=300):
-    """`python -m experiments.bench gpu --toy` in a copy of the repository with changes applied ({file: [(old,
+    """`python -m experiments.acceptance --toy` in a copy of the repository with changes applied ({file: [(old,
     new)]}, each old found once): (exit status, output lines, the figures from --json)."""
     copy = tmp_path / "copy"
     shutil.copytree(HERE, copy, ignore=shutil.ignore_patterns(".git", "out", "data", "__pycache__", "*.png"))
@@ -745,7 +748,7 @@ def toy_in_a_copy(tmp_path, data_dir, changes, timeout=300):
             assert text.count(old) == 1, old
             text = text.replace(old, new)
         (copy / path).write_text(text)
-    r = subprocess.run([sys.executable, "-m", "experiments.bench", "gpu", "--toy", "--device=cpu",
+    r = subprocess.run([sys.executable, "-m", "experiments.acceptance", "--toy", "--device=cpu",
                         f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'runs'}", f"--json={tmp_path / 'f.json'}"],
                        cwd=copy, env={**SCRIPT_ENV, "PYTHONPATH": str(copy)}, capture_output=True, text=True,
                        timeout=timeout)
@@ -807,7 +810,7 @@ def test_acceptance_isolates_a_crashed_measurement_and_keeps_crashed_runs_last_l
     full.mkdir()
     (full / "mine.txt").write_text("kept")
     with pytest.raises(UserError, match="not an empty folder"):
-        bench.bench(["gpu", "--toy", "--device=cpu", f"--data_dir={train_data}", f"--out_dir={full}"])
+        acceptance.main(["--toy", "--device=cpu", f"--data_dir={train_data}", f"--out_dir={full}"], time.time())
     assert (full / "mine.txt").exists()
     crashes = {"train.py": [("    sys.exit(run_main(main, sys.argv[1:]))", "    raise ImportError('no numpy here')")],
                "experiments/acceptance.py": [('    device = m.device\n', '    raise OSError("no GPU left")\n')]}
@@ -876,8 +879,9 @@ def test_acceptance_kills_a_hung_measuring_process_and_still_gives_its_verdict(t
 
 
 def test_acceptance_stopped_by_sigterm_gives_its_verdict_with_what_the_runs_logged(train_data, tmp_path):
-    """SIGTERM to the bench once the shallow runs have logged steps: the runs are stopped, the first loss
-    they logged is kept (first_loss measured), the JSON and the verdict so far (INCOMPLETE, status 2) come."""
+    """SIGTERM to the command (here by its alias, `bench gpu`) once the shallow runs have logged steps: the runs
+    are stopped, the first loss they logged is kept (first_loss measured), the JSON and the verdict so far
+    (INCOMPLETE, status 2) come."""
     out_dir = tmp_path / "runs"
     proc = subprocess.Popen([sys.executable, "-m", "experiments.bench", "gpu", "--toy", "--device=cpu",
                              f"--data_dir={train_data}", f"--out_dir={out_dir}", f"--json={tmp_path / 'f.json'}"],
