@@ -6,7 +6,7 @@
 Each key of DEFAULTS is an option, --name=value (a bare --flag is true), and its comment says what it does;
 a size (SIZES) sets its own values over tiny's.
 """
-import argparse, datetime, importlib.util, json, math, os, re, signal, sys, time, zlib
+import argparse, datetime, importlib.util, json, math, os, re, signal, sys, time, uuid, zlib
 from contextlib import nullcontext, suppress
 from dataclasses import asdict, fields
 from types import SimpleNamespace
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
 from prepare_data import (ArgumentParser, UserError, atomic_write, load_meta, load_per_id, parse_bool,
@@ -212,8 +213,7 @@ def setup_device(config):
         torch.cuda.set_device(device)
     else:
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments late in training) are slow on x86
-    # A collective waits this long for the slowest rank. The longest wait is rank 0's save (14.7 GB at 1.2b:
-    # 2.5 min at 100 MB/s) or one rank's first compile (minutes); a hung rank frees every GPU after 20.
+    # 20 min for a collective's slowest rank: a first compile, or rank 0's 1.2b save (2.5 min at 100 MB/s)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=20),
                                 device_id=device if backend == "nccl" else None)
@@ -369,7 +369,8 @@ def set_up(argv):
     run = SimpleNamespace(config=config, model_config=model_cfg, meta=meta, train=train, val=val,
                           counts=counts, byte_lengths=byte_lengths, fingerprint=fingerprint, device=device,
                           rank=rank, world=world, accum=config.batch_tokens // per_step, step=0, wandb=None,
-                          max_steps=config.total_tokens // config.batch_tokens, lev=config.embedding == "lev")
+                          max_steps=config.total_tokens // config.batch_tokens, lev=config.embedding == "lev",
+                          wandb_id=(ckpt or {}).get("wandb_id") or uuid.uuid4().hex[:8])
     build(run, ckpt)
     outputs, params = dict(train=vars(config), model=asdict(model_cfg)), run.raw_model.param_counts()
     if rank == 0:  # the run folder is made only once everything else is right
@@ -383,10 +384,11 @@ def set_up(argv):
             os.makedirs(config.out_dir, exist_ok=True)
             write_json(os.path.join(config.out_dir, "config.json"), outputs)
             keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
-        if config.wandb_project:
+        if config.wandb_project:  # one W&B run over every --resume: its id is kept in the checkpoint
             import wandb
             run.wandb = wandb.init(project=config.wandb_project, config=dict(outputs, params=params),
-                                   name=os.path.basename(os.path.abspath(config.out_dir)), resume="allow")
+                                   name=os.path.basename(os.path.abspath(config.out_dir)), id=run.wandb_id,
+                                   resume="allow")
     return run
 
 # ---------------------------------------------------------------------------- one step, and its log line
@@ -544,7 +546,8 @@ def checkpoint(run):
     path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
     state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),  # tied table: once
                  model_config=asdict(run.model_config), train_config=vars(run.config), data_meta=run.meta,
-                 data=run.fingerprint, step=run.step, tokens_seen=run.step * run.config.batch_tokens)
+                 data=run.fingerprint, step=run.step, tokens_seen=run.step * run.config.batch_tokens,
+                 wandb_id=run.wandb_id)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # no space left: torch.save raises either
@@ -554,18 +557,24 @@ def checkpoint(run):
         raise UserError(f"could not write {path} ({reason}); the previous checkpoint is kept") from None
     show(f"checkpoint: step {run.step}, {os.path.getsize(path) / 1e9:.2f} GB in {time.time() - start:.1f} s")
 
-def shut_down(code, together=True):
-    """Returns code; under DDP exits with it at once (os._exit, output flushed), after every rank if together:
-    a rank alone (an error) cannot tear the process group down, and gloo's can deadlock (pytorch#56297)."""
+def shut_down(run, code, together=True):
+    """Returns code, once rank 0 has finished its W&B run. Ranks ending together (done, a stop, an evaluation)
+    meet at a barrier and NCCL's group is destroyed. os._exit (output flushed) only where needed: gloo's
+    teardown can hang (pytorch#56297), and a rank leaving alone (an error) cannot tear the group down."""
+    if run is not None and run.wandb:
+        run.wandb.finish(exit_code=code)
     if dist.is_initialized():
         if together:
             dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        if together and dist.get_backend() == "nccl":
+            dist.destroy_process_group()
+            return code
+        sys.stdout.flush()  # os._exit skips it (stderr flushes each line)
         os._exit(code)
     return code
 
 # ------------------------------------------------------------------------- main: set-up, the loop, shut-down
+@record  # torchrun's report names the rank an uncaught exception ended, with its traceback
 def main(argv):
     run = None
     try:
@@ -573,7 +582,7 @@ def main(argv):
         config = run.config
         if config.eval_only:
             evaluate(run)
-            return shut_down(0)
+            return shut_down(run, 0)
         for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP"):  # (Windows has no SIGUSR1 or SIGHUP)
             signum = getattr(signal, name, None)
             if signum and signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
@@ -597,14 +606,14 @@ def main(argv):
                 if run.rank == 0:
                     show(f"stopped at step {run.step} ({why}); checkpoint saved: continue with the same "
                          "command plus --resume")
-                return shut_down(128 + preempted if preempted else 0)  # all ranks alike: one status
+                return shut_down(run, 128 + preempted if preempted else 0)  # all ranks alike: one status
         if run.rank == 0:
             show(f"done: {run.step} steps; checkpoint {config.out_dir}/ckpt.pt")
-        return shut_down(0)
+        return shut_down(run, 0)
     except UserError as e:  # in set-up, this rank's own (torchrun stops the others, naming it); later, every
         if run is None or run.rank == 0:  # rank's alike (the loss, the data) or rank 0's (its save)
             print_error(e)
-        return shut_down(1, together=False)
+        return shut_down(run, 1, together=False)
 
 if __name__ == "__main__":
     # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line

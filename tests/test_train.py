@@ -96,6 +96,39 @@ def test_loss_decreases_and_eval_is_written(train_data, tmp_path):
     assert config["train"]["d_model"] == config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 512
 
 
+WANDB_STUB = """import json, os
+def note(**call):
+    with open(os.environ["WANDB_CALLS"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+class Run:
+    def log(self, data, step):
+        note(call="log", step=step)
+    def finish(self, exit_code=0):
+        note(call="finish", exit_code=exit_code, pid=os.getpid())
+def init(**options):
+    note(call="init", id=options.get("id"), resume=options.get("resume"), pid=os.getpid())
+    return Run()
+"""
+
+
+def test_a_ddp_run_finishes_its_wandb_run_once_and_a_resume_continues_it(train_data, tmp_path):
+    """2 gloo ranks with a stand-in for wandb: rank 0 alone opens the W&B run and finishes it once, with the
+    run's exit status (a stop, then the end); --resume opens the same W&B run again (its id is kept)."""
+    (tmp_path / "stub" / "wandb").mkdir(parents=True)
+    (tmp_path / "stub" / "wandb" / "__init__.py").write_text(WANDB_STUB)
+    calls = tmp_path / "calls.jsonl"
+    env = {"PYTHONPATH": f"{tmp_path / 'stub'}{os.pathsep}{HERE}", "WANDB_CALLS": str(calls)}
+    run = ["--wandb_project=p", "--total_tokens=4096", "--batch_tokens=1024", "--eval_interval=1000"]
+    train_cli(train_data, tmp_path / "o", *run, "--stop_step=2", nproc=2, env=env)
+    train_cli(train_data, tmp_path / "o", *run, "--resume", nproc=2, env=env)
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    opened = [c for c in made if c["call"] == "init"]
+    assert [c["call"] for c in made if c["call"] != "log"] == ["init", "finish", "init", "finish"], made
+    assert opened[0]["id"] and opened[0]["id"] == opened[1]["id"] and opened[0]["resume"] == "allow"
+    assert [c["exit_code"] for c in made if c["call"] == "finish"] == [0, 0]
+    assert [c["step"] for c in made if c["call"] == "log"][-1] == 4
+
+
 def test_two_process_ddp_matches_one_process_with_accumulation(train_data, tmp_path):
     # 1 process: 4 micro-steps of 8 sequences; 2 processes: 2 micro-steps each (DDP's no_sync
     # path), gradients in DDP's buckets (gradient_as_bucket_view). Same global batch.
@@ -137,7 +170,7 @@ report = dict(graphs=counters["aot_autograd"]["total"], params=len(params), buck
               accumulations=len(seen), in_buckets=sum(seen))
 with open(os.path.join(run.config.out_dir, f"probe{run.rank}.json"), "w") as f:
     json.dump(report, f)
-train.shut_down(0)
+train.shut_down(run, 0)
 """
 
 
@@ -332,7 +365,7 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     train_cli(train_data, out, "--total_tokens=1024", "--embedding=tied")
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt.keys() == {"model", "optimizer", "model_config", "train_config", "step", "tokens_seen", "data_meta",
-                           "data"}
+                           "data", "wandb_id"}
     assert {len(shards) for shards in ckpt["data"].values()} == {1}  # each split's one shard: tokens, checksum
     assert ckpt["step"] == 2 and ckpt["tokens_seen"] == 1024
     model = Model(Config(**ckpt["model_config"]))
