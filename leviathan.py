@@ -168,10 +168,10 @@ class Config:
         check(0 < self.lev_sigmoid_scale < math.inf, "lev_sigmoid_scale", "must be > 0 and finite")
         check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
               "even-sized heads (rotary embeddings rotate pairs of dimensions)")
-        V = self.vocab_size
-        most = max(k for k in range(1, self.lev_digits + 1) if lev_base(V, k) ** (k - 1) < V)
-        check(most == self.lev_digits, "lev_digits", f"{V:,} ids have at most {most} digits "
-              "(the leading ones would be 0 for every id)")
+        V, k = self.vocab_size, self.lev_digits
+        base = lev_base(V, k)  # of k digits, the leading one is 0 for every id unless base^(k-1) < V
+        check(base ** (k - 1) < V, "lev_digits", f"{V:,} ids have fewer than {k} digits in base {base} "
+              "(the leading one would be 0 for every id)")
     @property
     def ffn_dim(self):
         """SwiGLU hidden size: 8/3 D (the parameters of a 4D GELU MLP), rounded up to 128."""
@@ -313,9 +313,8 @@ class Model(nn.Module):
         if targets is None:
             return self.head(x).float()
         # cross-entropy of the head's logits, chunked so that the [tokens, V] logits never exist: see the end
-        if reduction == "none":
-            return token_losses(x.flatten(0, 1), self.head.weight, targets.flatten()).view(targets.shape)
-        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten())
+        losses = linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), reduction)
+        return losses.view(targets.shape) if reduction == "none" else losses
 
     def new_cache(self, batch):
         p = self.head.weight
@@ -406,16 +405,16 @@ def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_v
         logits[order[outside]] = float("-inf")
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
 
-def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-             generator=None, stop_id=None, n_valid=None):
+def generate_text(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
+                  generator=None, stop_id=None, n_valid=None):
     """Iterator over up to max_new_tokens new ids that continue prompt_ids (a list of ints,
     1 to seq_len of them). It ends early when stop_id is sampled (stop_id is not yielded)."""
     if not 1 <= len(prompt_ids) <= model.cfg.seq_len:
         raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, got {len(prompt_ids)}")
-    return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator,
-                     stop_id, n_valid)
+    return _generate_text(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator,
+                          stop_id, n_valid)
 
-def _generate(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
+def _generate_text(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
     device, seq_len = model.head.weight.device, model.cfg.seq_len
     # The model sees at most seq_len tokens, tokens[start:]; when one more would not fit, the window
     # jumps to the last seq_len // 2. Cached keys carry their rotary positions, so a window sliding
@@ -457,6 +456,38 @@ def distinct_ids(ids):
     waits for the device there), so training calls this on the CPU, where the batch starts."""
     unique, inverse = torch.unique(ids, return_inverse=True)
     return F.pad(unique, (0, id_bucket(len(unique)) - len(unique))), inverse
+
+# ---------------------------------------------------------------------------- kernels compiled on their own
+FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits
+
+# Failures of compiling itself, by name (an older torch lacks some). What a compiled kernel raises
+# as it runs (out of memory, a bad index) is a fault to see, not caught.
+COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
+                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported",
+                          "InternalTorchDynamoError", "FailOnRecompileLimitHit")
+                         if hasattr(torch._dynamo.exc, name))
+
+class Fused:
+    """fn compiled into fused kernels (C++ on a CPU, Triton on a GPU); where compiling fails (no C++
+    compiler, an unsupported GPU), fn eagerly, with one warning line per `what` (LEV, the loss)."""
+    warned = set()  # the `what`s that have printed their warning
+    def __init__(self, fn, what):
+        # dynamic=True: hints from the first call (a resumed run's is not the original's) may split
+        # a long reduction in two kernels, another order of summation: off, so every process sums alike.
+        self.fn, self.what = fn, what
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"split_reductions": False})
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except COMPILE_FAILURES as error:
+                if self.what not in Fused.warned:
+                    cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
+                    reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
+                    print(f"warning: {self.what} runs eagerly (slower); torch.compile failed: {reason}")
+                    Fused.warned.add(self.what)
+                self.compiled = None
+        return self.fn(*args)
 
 # ---------------------------------------------------------------------------- LEV's steps 3c-3e, fused
 # Written out, they keep a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r] for the
@@ -512,6 +543,13 @@ def product_gradients(index, values, slopes, spline, grad_times_modes):
     knots = torch.arange(spline.shape[2], device=index.device)
     basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
     return q, (q * phi_slope).sum(-1), basis
+
+KERNELS = bspline_nonzero, group_products, product_gradients
+FUSED_KERNELS = tuple(Fused(kernel, "LEV") for kernel in KERNELS)
+
+def kernels_for(t, spline):
+    """LEV's KERNELS for this call: fused where that repays compiling."""
+    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
 
 # Floats of phi per chunk of seed coordinates. CPU, 4 MB: the backward's q_d is still in cache
 # when the matmul reads it. GPU, 256 MB: each chunk costs kernel launches.
@@ -577,40 +615,6 @@ def head_dtype(x, weight):
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
-@torch.no_grad()
-def token_losses(x, weight, targets):
-    """Per-token cross-entropy (nats) of logits = x W^T, for evaluation: [N, D] -> [N]."""
-    w = weight.to(head_dtype(x, weight))
-    return torch.cat([F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
-                      for c in loss_chunks(len(x), len(w))])
-
-def linear_cross_entropy(x, weight, targets):
-    """Mean cross-entropy of logits = x W^T, chunk by chunk over positions."""
-    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
-
-def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                 with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads. G is made over
-    each chunk's logits: a chunk holds one [chunk, V] in dtype (+ a float32 copy if that is bf16)."""
-    n = len(x)
-    w = weight.to(dtype)
-    total = torch.zeros((), device=x.device)
-    grad_x = torch.empty_like(x) if with_grads else x.new_empty(0)
-    grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grads else x.new_empty(0)
-    for c in loss_chunks(n, len(w)):
-        x_c = x[c].to(w.dtype)
-        g = F.linear(x_c, w)  # z = x W^T, [chunk, V]
-        total += softmax_step(g, targets[c], n)  # now G
-        if with_grads:
-            grad_x[c].copy_(g @ w)
-            if g.dtype == grad_w.dtype:
-                grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
-            else:
-                grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
-        del g  # before the next chunk's logits exist
-    return total / n, grad_x, grad_w
-
 def softmax_gradient_(logits, targets, n):
     """The loss's elementwise work on one chunk, in place: the logits z [chunk, V] become
     G = (softmax(z) - onehot) / n, dLoss/dz for the mean over n positions; returns the chunk's
@@ -637,14 +641,40 @@ def fused_softmax_gradient_(logits, targets, n):
     logits.copy_(((z - lse).exp() - onehot.float()) / n)
     return loss
 
+FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
+
 def softmax_step(logits, targets, n):
     """softmax_gradient_, fused on a GPU (memory-bound there) for a chunk that repays compiling.
     On a CPU exp is bound by arithmetic, and the fused form, which computes it twice, is slower."""
     fused = logits.is_cuda and logits.numel() >= FUSE_MIN_FLOATS
     return (FUSED_SOFTMAX if fused else softmax_gradient_)(logits, targets, n)
 
+# ---------------------------------------------------------------------------- the loss as one call
 # A custom operator, so torch.compile sees the loss as one opaque call: traced, its loop would be
 # unrolled, and inductor would keep a [V, D] partial of dL/dW alive per chunk (~0.8 GB at 1.2b).
+
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                 with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads. G is made over
+    each chunk's logits: a chunk holds one [chunk, V] in dtype (+ a float32 copy if that is bf16)."""
+    n = len(x)
+    w = weight.to(dtype)
+    total = torch.zeros((), device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else x.new_empty(0)
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grads else x.new_empty(0)
+    for c in loss_chunks(n, len(w)):
+        x_c = x[c].to(w.dtype)
+        g = F.linear(x_c, w)  # z = x W^T, [chunk, V]
+        total += softmax_step(g, targets[c], n)  # now G
+        if with_grads:
+            grad_x[c].copy_(g @ w)
+            if g.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
+            else:
+                grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+        del g  # before the next chunk's logits exist
+    return total / n, grad_x, grad_w
+
 chunked_cross_entropy = torch.library.custom_op("leviathan::chunked_cross_entropy", chunked_loss,
                                                 mutates_args=())
 
@@ -666,6 +696,18 @@ def scale_gradients(ctx, grad_loss, *_):
 
 chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_gradients)
 
+def linear_cross_entropy(x, weight, targets, reduction="mean"):
+    """Cross-entropy of logits = x W^T, chunk by chunk over positions: their mean (the custom op, whose
+    gradients come with it), or with reduction="none" each position's, for evaluation: [N, D] -> [N]."""
+    if reduction == "none":
+        with torch.no_grad():
+            w = weight.to(head_dtype(x, weight))
+            losses = [F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
+                      for c in loss_chunks(len(x), len(w))]
+            return torch.cat(losses)
+    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
+
 # ---------------------------------------------------------------------------- what torch.compile sees
 # - LEV.forward stays out: torch.unique's output size changes every batch; the backbone sees one shape.
 # - separable_modes stays out: traced, its backward's rebuilt phi would be merged with the forward's
@@ -673,44 +715,6 @@ chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_grad
 #   registers, unless a call is too small (FUSE_MIN_FLOATS) to repay seconds of compiling.
 # - Model.compile: the model in place, and LEV.generate for any number of ids (compile_lev).
 # - The loss is one custom-op call; inside it, on a GPU, each chunk's softmax step is Fused.
-FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits
-
-# Failures of compiling itself, by name (an older torch lacks some). What a compiled kernel raises
-# as it runs (out of memory, a bad index) is a fault to see, not caught.
-COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
-                         ("BackendCompilerFailed", "ShortenTraceback", "Unsupported",
-                          "InternalTorchDynamoError", "FailOnRecompileLimitHit")
-                         if hasattr(torch._dynamo.exc, name))
-
-class Fused:
-    """fn compiled into fused kernels (C++ on a CPU, Triton on a GPU); where compiling fails (no C++
-    compiler, an unsupported GPU), fn eagerly, with one warning line per `what` (LEV, the loss)."""
-    warned = set()  # the `what`s that have printed their warning
-    def __init__(self, fn, what):
-        # dynamic=True: hints from the first call (a resumed run's is not the original's) may split
-        # a long reduction in two kernels, another order of summation: off, so every process sums alike.
-        self.fn, self.what = fn, what
-        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"split_reductions": False})
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except COMPILE_FAILURES as error:
-                if self.what not in Fused.warned:
-                    cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
-                    reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
-                    print(f"warning: {self.what} runs eagerly (slower); torch.compile failed: {reason}")
-                    Fused.warned.add(self.what)
-                self.compiled = None
-        return self.fn(*args)
-
-KERNELS = bspline_nonzero, group_products, product_gradients
-FUSED_KERNELS = tuple(Fused(kernel, "LEV") for kernel in KERNELS)
-FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
-
-def kernels_for(t, spline):
-    """LEV's KERNELS for this call: fused where that repays compiling."""
-    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
 
 def compile_lev(lev, **options):
     """LEV.generate compiled for any number of ids; its product stays out of the graph, its kernels Fused.

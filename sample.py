@@ -12,7 +12,7 @@ if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is 
     quiet_interrupt()
 import torch
 
-from leviathan import Config, Model, generate, precision
+from leviathan import Config, Model, generate_text, precision
 from train import load_checkpoint
 
 def load_model(out_dir, device="cpu"):
@@ -111,9 +111,9 @@ def sample(args):
         sys.stdout.write(("---------------\n" if i else "") + args.prompt)
         stream, n, start = TextStream(tok), 0, time.perf_counter()
         with precision(args.device, args.bf16):
-            for n, token in enumerate(generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
-                                               args.top_p, generator, n_valid=tok.n_vocab,
-                                               stop_id=tok.eot_token if args.stop_at_eot else None), 1):
+            for n, token in enumerate(generate_text(model, ids, args.max_new_tokens, args.temperature,
+                                                    args.top_k, args.top_p, generator, n_valid=tok.n_vocab,
+                                                    stop_id=tok.eot_token if args.stop_at_eot else None), 1):
                 print(stream.push(token), end="", flush=True)
         print(stream.flush(), flush=True)
         speed = n / (time.perf_counter() - start)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import leviathan
-from leviathan import (EMBEDDINGS, LEV, Config, Model, SeparableProduct, bspline_nonzero, generate, lev_base, sample_next,
+from leviathan import (EMBEDDINGS, LEV, Config, Model, SeparableProduct, bspline_nonzero, generate_text, lev_base, sample_next,
                        to_digits)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -798,7 +798,8 @@ def test_config_refuses_digits_that_are_always_zero():
     """8,192 ids have 13 binary digits: a 14th (leading) digit would be 0 for every id."""
     assert LEV.from_config(Config(vocab_size=8192, lev_digits=13)).base == 2
     for digits in (14, 40):
-        with pytest.raises(ValueError, match=f"lev_digits={digits}: 8,192 ids have at most 13 digits"):
+        with pytest.raises(ValueError, match=f"lev_digits={digits}: 8,192 ids have fewer than {digits} digits in "
+                                             "base 2 "):
             Config(vocab_size=8192, lev_digits=digits)
     assert Config(vocab_size=200_064, lev_digits=3)  # the paper's: base 59, 59^2 < V
 
@@ -813,14 +814,14 @@ def clone(model):
 
 
 def generated_ids(model, new_tokens, seed=None, **kw):
-    """generate() as a list; a fresh generator per call so that runs are comparable."""
+    """generate_text() as a list; a fresh generator per call so that runs are comparable."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     prompt = kw.pop("prompt", [5, 17, 230, 42, 8])
-    return list(generate(model, prompt, new_tokens, generator=gen, **kw))
+    return list(generate_text(model, prompt, new_tokens, generator=gen, **kw))
 
 
 def rerun_ids(model, new_tokens, seed=None, prompt=(5, 17, 230, 42, 8), **kw):
-    """The reference generate() is held to: the whole window rerun at every step, no cache, under
+    """The reference generate_text() is held to: the whole window rerun at every step, no cache, under
     generate's context policy (a window past seq_len jumps to its last seq_len // 2 tokens)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     tokens, start, seq_len = list(prompt), 0, model.cfg.seq_len
@@ -842,7 +843,7 @@ def bias_logits(model, ids, amount):
     return model.head.register_forward_hook(hook)
 
 
-# sample.py: generate()
+# sample.py: generate_text()
 
 
 @pytest.mark.parametrize("embedding", EMBEDDINGS)
@@ -898,7 +899,7 @@ def test_context_cap_policy_is_the_same_as_the_reference():
 def test_prompt_must_fit_the_context():
     model = random_model("untied")
     with pytest.raises(ValueError, match="seq_len=32"):
-        generate(model, list(range(33)), 5)
+        generate_text(model, list(range(33)), 5)
     assert len(generated_ids(model, 3, prompt=list(range(32)), temperature=0)) == 3  # exactly full: fine
 
 

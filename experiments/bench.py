@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from experiments import acceptance, runs
 from experiments.acceptance import MEMORY_ESTIMATE_GB
-from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Model, generate, linear_cross_entropy, padded_vocab
+from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Model, generate_text, linear_cross_entropy, padded_vocab
 from prepare_data import ArgumentParser, UserError, demo_documents, get_tokenizer, parse_number, run_main
 from train import model_config, resolve
 
@@ -233,7 +233,7 @@ def bench_sample(args, device):
     model.freeze_lev()
     prompt = torch.randint(0, model.cfg.vocab_size, (512,)).tolist()
     new_tokens = 64
-    rates, ways = {True: [], False: []}, {True: lambda: list(generate(model, prompt, new_tokens, temperature=0)),
+    rates, ways = {True: [], False: []}, {True: lambda: list(generate_text(model, prompt, new_tokens, temperature=0)),
                                           False: lambda: greedy_without_cache(model, prompt, new_tokens)}
     if ways[True]() != ways[False]():  # the warm-up: both ways must agree
         raise RuntimeError("generation with the KV cache differs from generation without it")

@@ -11,7 +11,7 @@ import torch
 
 from conftest import HERE, SCRIPT_ENV, assert_one_error_line, train_cli
 from experiments import export
-from leviathan import EMBEDDINGS, generate
+from leviathan import EMBEDDINGS, generate_text
 from prepare_data import read_shard, shard_paths
 from sample import load_model
 
@@ -70,7 +70,7 @@ def test_export_gives_the_models_logits_and_greedy_text(exported, train_data):
 
     # greedy: 64 new tokens (fewer if both stop at end-of-text, which theirs includes and ours does not)
     prompt = idx[1, :16].tolist()
-    ours = list(generate(model, prompt, 64, temperature=0, stop_id=tok.eot_token, n_valid=tok.n_vocab))
+    ours = list(generate_text(model, prompt, 64, temperature=0, stop_id=tok.eot_token, n_valid=tok.n_vocab))
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
     assert out[:len(ours) + 1] == ours + [tok.eot_token] * (len(ours) < 64) and len(ours) >= 32, (ours, out)

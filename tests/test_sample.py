@@ -12,7 +12,7 @@ from conftest import EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line
 
 from test_leviathan import generated_ids
 import sample
-from leviathan import EMBEDDINGS, generate
+from leviathan import EMBEDDINGS, generate_text
 from prepare_data import tokenizer_from_meta
 from sample import TextStream, load_model
 
@@ -65,7 +65,7 @@ def test_cli_streams_the_sample_that_generate_gives(tmp_path):
     gen = torch.Generator().manual_seed(5)
     expected = []
     for _ in range(2):  # one generator for all samples, as in the CLI
-        ids = list(generate(model_back, tok.encode_ordinary("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
+        ids = list(generate_text(model_back, tok.encode_ordinary("Once upon"), 25, 1.0, 0, 1.0, gen, n_valid=N_VALID))
         assert len(ids) == 25
         expected.append("Once upon" + tok.decode(ids) + "\n")
     assert r.stdout == "---------------\n".join(expected)
@@ -73,17 +73,17 @@ def test_cli_streams_the_sample_that_generate_gives(tmp_path):
 
 
 def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
-    """What main() hands to generate(): end-of-text for an empty prompt (or prompt file), a prompt
+    """What main() hands to generate_text(): end-of-text for an empty prompt (or prompt file), a prompt
     file's text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
     folder = save_run(tmp_path / "run", random_model("untied"))
     (tmp_path / "prompt.txt").write_text("Once upon\n")
     (tmp_path / "empty.txt").write_text("\n")
-    calls, real = [], sample.generate
+    calls, real = [], sample.generate_text
 
     def spy(model, prompt_ids, *args, **kw):
         calls.append((list(prompt_ids), kw["stop_id"], kw["n_valid"]))
         return real(model, prompt_ids, *args, **kw)
-    monkeypatch.setattr(sample, "generate", spy)
+    monkeypatch.setattr(sample, "generate_text", spy)
     assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3"]) == 0
     assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'prompt.txt'}",
                         "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
