@@ -762,6 +762,8 @@ def eager_evaluation(m):
                            f"--device={args.device}", "--compile=false", "--bf16=false"])
     if code != 0:
         raise RuntimeError(f"train.py --eval_only ended with exit status {code}")
+    if m.device.type == "cuda":
+        torch.cuda.empty_cache()  # its model and optimizer state, back to the GPU for the 1.2b run's steps
     return runs.log_records(folder, "eval")[-1]["val_loss"]
 
 def lev_compiled(data_dir, device, shape):

@@ -33,6 +33,17 @@ def test_import_rules():
     assert local_imports("train.py") == {"leviathan", "prepare_data"}
     for script in SCRIPTS:
         assert "experiments" not in local_imports(script), script
+    assert "experiments.acceptance" in research_imports("experiments/bench.py")  # `bench gpu`, an alias
+    assert "experiments.bench" not in research_imports("experiments/acceptance.py")  # not the other way round
+
+
+def research_imports(path):
+    """The modules of experiments/ that a file imports, as experiments.NAME."""
+    tree = ast.parse(Path(HERE, path).read_text())
+    names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    names |= {f"experiments.{alias.name}" for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module == "experiments" for alias in node.names}
+    return {name for name in names if name.startswith("experiments.")}
 
 
 def test_prepare_data_never_imports_torch():
