@@ -574,7 +574,6 @@ def shut_down(run, code, together=True):
     return code
 
 # ------------------------------------------------------------------------- main: set-up, the loop, shut-down
-@record  # torchrun's report names the rank an uncaught exception ended, with its traceback
 def main(argv):
     run = None
     try:
@@ -617,4 +616,4 @@ def main(argv):
 
 if __name__ == "__main__":
     # run_main: Ctrl-C before the loop's handlers are in place (set-up, --eval_only) is one line
-    sys.exit(run_main(main, sys.argv[1:]))
+    sys.exit(run_main(record(main), sys.argv[1:]))  # record: torchrun names the rank a traceback ended
