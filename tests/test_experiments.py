@@ -812,7 +812,7 @@ def test_acceptance_isolates_a_crashed_measurement_and_keeps_crashed_runs_last_l
     with pytest.raises(UserError, match="not an empty folder"):
         acceptance.main(["--toy", "--device=cpu", f"--data_dir={train_data}", f"--out_dir={full}"], time.time())
     assert (full / "mine.txt").exists()
-    crashes = {"train.py": [("    sys.exit(run_main(main, sys.argv[1:]))", "    raise ImportError('no numpy here')")],
+    crashes = {"train.py": [('if __name__ == "__main__":\n', 'if __name__ == "__main__":\n    raise ImportError("no numpy here")\n')],
                "experiments/acceptance.py": [('    device = m.device\n', '    raise OSError("no GPU left")\n')]}
     code, lines, figures = toy_in_a_copy(tmp_path, train_data, crashes)
     assert code == 1 and lines[-1].startswith("FAIL: ")
