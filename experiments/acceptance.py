@@ -302,14 +302,17 @@ class Measuring:
     """What the measuring process shares between its parts (and its one helper thread)."""
     args: SimpleNamespace  # the command's options, and device
     device: torch.device
-    figures: dict  # written to state_path under lock as they change
-    state: dict
+    state: dict  # its "figures", written to state_path under lock as they change
     state_path: str
     deadline: float  # time.time() at which the measuring stops
     started: dict = dataclasses.field(default_factory=dict)  # run name: (process, start time)
     helpers: list = dataclasses.field(default_factory=list)  # its threads
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     closing: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def figures(self):
+        return self.state["figures"]
 
     def save(self):
         with self.lock:
@@ -337,7 +340,7 @@ def work(state_path):
     stopped and every figure in the state file."""
     state = read_json(state_path, "")
     args = SimpleNamespace(**state["args"])
-    m = Measuring(args, torch.device(args.device), state["figures"], state, state_path, state["measure_until"])
+    m = Measuring(args, torch.device(args.device), state, state_path, state["measure_until"])
     for stop in STOPS:
         signal.signal(stop, stop_measuring)
     try:
@@ -368,12 +371,12 @@ def measure(m):
     """Each figure enters m.figures, and the state file, as soon as it is measured."""
     args, device, figures, checks = m.args, m.device, m.figures, m.figures["checks"]
     large, shallow = shape_of("1.2b", args.toy), shape_of("shallow", args.toy)
+    exact = ["--deterministic", f"--stop_step={STEPS}"]  # the shallow runs but the resumed one
     part = timed_parts(m)
     with part("data"):
         prepare_o200k_demo(args.data_dir)
     with part("1.2b"):
         start_run(m, "1.2b", options(args, large, "1.2b", 2))
-        exact = ["--deterministic", f"--stop_step={STEPS}"]
         start_run(m, "shallow-whole", options(args, shallow, "shallow-whole", 4, *exact, f"--eval_interval={STEPS}"))
         start_run(m, "shallow-stopped", options(args, shallow, "shallow-resumed", 4, *exact),
                   expected=128 + signal.SIGTERM)
@@ -398,7 +401,6 @@ def measure(m):
             isolated(m, "LEV alone", lambda: figures.update(lev=lev_timed(*lev)))
     with part("DDP"):
         one_gpu = ["--backend=gloo"] + (["--bf16_allreduce"] if device.type == "cuda" else [])
-        exact = ["--deterministic", f"--stop_step={STEPS}"]
         start_run(m, "shallow-ddp-one-gpu", options(args, shallow, "shallow-ddp-one-gpu", 4, *exact, *one_gpu),
                   processes=2, env={"CUDA_VISIBLE_DEVICES": "0"} if device.type == "cuda" else None)
         if "ddp" in checks:
@@ -571,10 +573,11 @@ def read_runs(out_dir, figures):
         checks["first_loss"] = abs(first["loss"] - math.log(config["model"]["vocab_size"])) if first["step"] == 1 \
             else None
         checks["loss_falls"] = last["loss"] / first["loss"] if last["step"] == STEPS else None
-    if whole and evaluation and last["step"] == STEPS:
-        checks["eval"] = abs(evaluation["val_loss"] - last["loss"]) / last["loss"]
-        if figures["eager_val_loss"] is not None:
-            checks["eval_eager"] = abs(evaluation["val_loss"] - figures["eager_val_loss"]) / figures["eager_val_loss"]
+        if evaluation and last["step"] == STEPS:
+            checks["eval"] = abs(evaluation["val_loss"] - last["loss"]) / last["loss"]
+            eager = figures["eager_val_loss"]
+            if eager is not None:
+                checks["eval_eager"] = abs(evaluation["val_loss"] - eager) / eager
     saved = saved_step(outputs.get("shallow-stopped", ""))
     checks["signal_stop"] = steps_lost(outputs.get("shallow-stopped", ""), saved, outputs.get("shallow-resumed", ""))
     if "memory 1.2b" in checks and "1.2b" not in cut:
