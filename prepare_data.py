@@ -44,7 +44,7 @@ def write_shard(path, tokens, vocab_size):
 class Shard:
     """A shard's tokens, read from its file when sliced: shard[a:b], shard[:] for all. Not a memory map, which
     holds its file open for good: only the 16 shards read last keep theirs open (a folder may hold more)."""
-    open_files = {}  # shard -> its open file, the one read last last
+    open_files = {}  # shard -> its open file, the most recently read at the end
     def __init__(self, filename, dtype, n):
         self.filename, self.dtype, self.n = filename, dtype, n
     def __len__(self):
