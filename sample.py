@@ -4,16 +4,15 @@
     python sample.py --out_dir=RUN --prompt="The river" --num_samples=3 --temperature=0.8 --top_p=0.95
     python sample.py --out_dir=RUN --prompt_file=prompt.txt --temperature=0 --stop_at_eot=false
 """
-import codecs, math, os, sys, textwrap, time
+import argparse, codecs, math, os, signal, sys, textwrap, time
 
-from prepare_data import (ArgumentParser, UserError, parse_bool, parse_number, quiet_interrupt, run_main,
-                          tokenizer_from_meta)
-if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
-    quiet_interrupt()
+from prepare_data import UserError, run_main, tokenizer_from_meta
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads ends the process, no traceback
 import torch
 
 from leviathan import Config, Model, generate_text, precision
-from train import load_checkpoint
+from train import load_checkpoint, parse_bool
 
 def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
@@ -63,20 +62,21 @@ def utf8_text(path):
         return f.read().removesuffix("\n")  # editors add one
 
 def parse_args(argv):
-    parser = ArgumentParser("sample.py", description=__doc__.split("\n\n")[0])
-    add, integer, number = parser.add_argument, parse_number(int), parse_number(float)
+    parser = argparse.ArgumentParser(prog="sample.py", usage="%(prog)s --out_dir=RUN [--name=value]",
+                                     allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
     flag = dict(type=parse_bool, nargs="?", const=True)  # --name alone, or --name=true/false
     add("--out_dir", required=True, help="run folder holding ckpt.pt")
     prompt = parser.add_mutually_exclusive_group()  # both: argparse refuses in one line
     prompt.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
     prompt.add_argument("--prompt_file", dest="prompt", type=utf8_text,
                         help="read the prompt from this UTF-8 file (one final newline is dropped)")
-    add("--num_samples", type=integer, default=1, help="samples from the same prompt")
-    add("--max_new_tokens", type=integer, default=256, help="tokens per sample at most")
-    add("--temperature", type=number, default=0.8, help="0 = greedy")
-    add("--top_k", type=integer, default=200, help="0 = off")
-    add("--top_p", type=number, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
-    add("--seed", type=integer, default=1337, help="seed of the sampling generator")
+    add("--num_samples", type=int, default=1, help="samples from the same prompt")
+    add("--max_new_tokens", type=int, default=256, help="tokens per sample at most")
+    add("--temperature", type=float, default=0.8, help="0 = greedy")
+    add("--top_k", type=int, default=200, help="0 = off")
+    add("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    add("--seed", type=int, default=1337, help="seed of the sampling generator")
     add("--stop_at_eot", **flag, default=True, help="stop a sample at end-of-text (default true)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
     add("--compile", **flag, default=False, help="torch.compile LEV (before freezing) and the forward pass")

@@ -62,8 +62,8 @@ import torch.nn.functional as F
 import leviathan
 import train
 from experiments import runs
-from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy, precision
-from prepare_data import ArgumentParser, UserError, load_meta, read_json, run_main, write_json
+from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy
+from prepare_data import UserError, load_meta, open_prepared, read_json, run_main, write_json
 
 BUDGET_S = 8 * 60  # this command's start to its verdict (a lent GPU comes with ~15 minutes, start-up included)
 CLOSING_S = 10  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict
@@ -208,8 +208,9 @@ def acceptance(args, device, start):
 
 def main(argv, start):
     """python -m experiments.acceptance's options -> the verdict's exit status; start: the command's start."""
-    parser = ArgumentParser("-m experiments.acceptance", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.acceptance", description=__doc__,
+                                     usage="%(prog)s [--toy] [--name=value]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--toy", action="store_true",
                         help="every check on a CPU (or a GPU), a micro model in place of the GPU's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -637,6 +638,14 @@ def memory_fraction(records):
                  for key, headroom in MEMORY_HEADROOM.items() if records]
     return max(fractions, default=None)
 
+def peak_flops(device_name):
+    """Peak dense bf16 FLOP/s of one GPU (data sheets): the first entry made of whole words of the name (a
+    variant before its plain name; a GB200 is no B200). None where unknown: no MFU rather than a wrong one."""
+    peaks = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "H200 NVL": 835e12,
+             "H200": 989e12, "GB200": 2500e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+    words = set(re.split(r"[\s\-_]+", device_name.upper()))
+    return next((flops for name, flops in peaks.items() if set(name.upper().split()) <= words), None)
+
 def speed(records, micro_batches, run_dir, device_name):
     """Median tokens/s and MFU (Model.flops_per_token x tokens/s over one GPU's peak) of the steps given, and
     the time of one micro-step; None if there are none."""
@@ -646,7 +655,7 @@ def speed(records, micro_batches, run_dir, device_name):
     batch_tokens = records[0]["tokens_seen"] // records[0]["step"]
     with torch.device("meta"):
         flops = Model(Config(**json.load(open(os.path.join(run_dir, "config.json")))["model"])).flops_per_token()
-    peak = train.peak_flops(device_name)
+    peak = peak_flops(device_name)
     return dict(tokens_per_s=tokens_per_s, mfu=flops * tokens_per_s / peak if peak else None,
                 micro_step_s=batch_tokens / tokens_per_s / micro_batches, steps=len(records))
 
@@ -718,22 +727,23 @@ def grad_reference(m, shape):
     model on both at once (LIMITS). The second, compiled pass is profiled for its attention kernels."""
     device = m.device
     cfg, (micro_batch, seq_len) = shape_config(m.args.data_dir, shape), micro_batch_shape(shape)
-    meta, splits, *_ = train.open_data(m.args.data_dir)
-    train_windows = train.Windows(splits["train"], seq_len, 0, meta["vocab_size"])
+    meta, splits, *_ = open_prepared(m.args.data_dir)
+    train_windows = train.Windows(splits["train"], seq_len, 0)
     windows = [train_windows[p] for p in range(2 * micro_batch)]
     torch.manual_seed(0)
     reference = Model(cfg).to(device)
     torch.nn.init.normal_(reference.head.weight, std=0.02)  # a zero head gives the backbone no gradient
     fast = copy.deepcopy(reference)
     fast.compile()
-    run = SimpleNamespace(model=fast, config=SimpleNamespace(micro_batch=micro_batch), accum=2, rank=0, world=1,
-                          device=device, lev=True, autocast=precision(device, bf16=True))
-    train.accumulate_gradients(run, windows)  # compiles
+    config = SimpleNamespace(micro_batch=micro_batch, seq_len=seq_len, batch_tokens=2 * micro_batch * seq_len, bf16=True)
+    run = SimpleNamespace(model=fast, config=config, train=train_windows, step=0, accum=2, rank=0, world=1, device=device,
+                          lev=True)
+    train.accumulate_gradients(run)  # compiles
     fast.zero_grad(set_to_none=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                            if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
-        train.accumulate_gradients(run, windows)
+        train.accumulate_gradients(run)
     xy = torch.from_numpy(np.stack(windows).astype(np.int64)).to(device)
     reference(xy[:, :-1], xy[:, 1:]).backward()
     pairs = [(p.grad, q.grad) for p, q in zip(fast.parameters(), reference.parameters())]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from experiments import acceptance, runs
 from experiments.acceptance import MEMORY_ESTIMATE_GB
 from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Model, generate_text, linear_cross_entropy, padded_vocab
-from prepare_data import ArgumentParser, UserError, demo_documents, get_tokenizer, parse_number, run_main
+from prepare_data import UserError, demo_documents, get_tokenizer, run_main
 from train import model_config, resolve
 
 # The ids of each size's data folder: prepare_data.py's demo vocabulary and o200k_base's.
@@ -391,22 +391,23 @@ def bench(argv):
     if argv[:1] == ["gpu"]:  # an alias of `python -m experiments.acceptance`, whose options follow
         start = acceptance.command_start() if __name__ == "__main__" else time.time()
         return acceptance.main(argv[1:], start)
-    parser = ArgumentParser("-m experiments.bench", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__,
+                                     usage="%(prog)s [SECTION ...] [--name=value]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("sections", nargs="*", help=f"any of: {', '.join(SECTIONS)} (default: all); or gpu alone")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models (and LEV's generator)")
-    parser.add_argument("--repeats", type=parse_number(int), default=5,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="each figure is the median of this many runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)} "
-                     "(gpu: alone, first)")
+        raise UserError(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)} "
+                        "(gpu: alone, first)")
     if args.repeats < 1:
-        parser.error(f"--repeats={args.repeats}: must be >= 1 (each figure is a median over repeats)")
+        raise UserError(f"--repeats={args.repeats}: must be >= 1 (each figure is a median over repeats)")
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
-        parser.error(f"--device={args.device}: must be cpu, or cuda on a machine with a CUDA GPU")
+        raise UserError(f"--device={args.device}: must be cpu, or cuda on a machine with a CUDA GPU")
     device = torch.device(args.device)
     for section in args.sections or SECTIONS:
         SECTIONS[section](args, device)

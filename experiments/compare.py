@@ -11,13 +11,13 @@ is not trained again, one stopped is resumed (runs.py), and a task already evalu
 evaluated again, so the command can be repeated until the table is complete. The table goes to
 <out_dir>/table.md.
 """
-import json, os, shlex, sys
+import argparse, json, os, shlex, sys
 
 import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import ArgumentParser, UserError, parse_number, read_json, run_main, write_json
+from prepare_data import UserError, read_json, run_main, write_json
 from train import SIZES
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
@@ -31,13 +31,14 @@ PAPER_OTHER = "LAMBADA perplexity -30%; rarest bucket -81%; most frequent bucket
 
 def parse_args(argv):
     own, train_options = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = ArgumentParser("-m experiments.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s --size=SIZE [--name=value] [-- train.py's options]", allow_abbrev=False)
     parser.add_argument("--size", required=True, help=" | ".join(SIZES))
     parser.add_argument("--out_dir", help="default out/compare-<size>; the arms train in its subfolders")
     parser.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (default: evaluate.py's "
                         "six); empty: none")
     parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
-    parser.add_argument("--gpus", type=parse_number(int), default=torch.cuda.device_count(),
+    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count(),
                         help="GPUs per arm (default: all visible); more than one trains under torchrun")
     args = parser.parse_args(own)
     if args.size not in SIZES:

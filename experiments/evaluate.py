@@ -23,13 +23,14 @@ How our model answers lm-eval (the LeviathanLM adapter below):
 - Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
   softmax: the tokenizer cannot produce them, so they must not take probability mass.
 """
-import glob, logging, os, sys
+import argparse, glob, logging, os, sys
 
 import torch
 
-from prepare_data import ArgumentParser, UserError, parse_bool, parse_number, read_json, run_main, write_json
+from prepare_data import UserError, read_json, run_main, write_json
 from leviathan import precision
 from sample import check_device, load_model
+from train import parse_bool
 
 try:
     import lm_eval
@@ -205,12 +206,13 @@ def compare(out_dirs):
 
 
 def parse_args(argv):
-    parser = ArgumentParser("-m experiments.evaluate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s --out_dir=RUN [--name=value]", allow_abbrev=False)
     parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
     parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
-    parser.add_argument("--limit", type=parse_number(int), help="only the first N examples of each task (a quick look)")
-    parser.add_argument("--batch_size", type=parse_number(int), default=16,
+    parser.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
+    parser.add_argument("--batch_size", type=int, default=16,
                         help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda, cuda:1, ...")

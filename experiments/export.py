@@ -22,16 +22,14 @@ those of our Model on one window (max |difference| <= 1e-4 x max(1, max |logit|)
 tokenizer, that it gives our ids on sample texts. Otherwise: an error line (the model) or a line
 saying the tokenizer was left out.
 """
-import dataclasses, gc, json, os, struct, sys, time
+import argparse, dataclasses, gc, json, os, struct, sys, time
 
-from prepare_data import ArgumentParser, UserError, parse_bool, run_main
-if __name__ == "__main__":  # before torch loads (seconds): Ctrl-C meanwhile is one line
-    from prepare_data import quiet_interrupt
-    quiet_interrupt()
 import torch
 
 from leviathan import Config
+from prepare_data import UserError, run_main
 from sample import load_model
+from train import parse_bool
 
 INSTALL = 'pip install "transformers>=5,<6"'
 MARK = "leviathan"  # config.json's entry of our metadata; also how an earlier export is recognised
@@ -48,7 +46,8 @@ SAMPLE_TEXTS = [  # the tokenizer's check: words, numbers, spaces, newlines, con
 
 
 def parse_args(argv):
-    parser = ArgumentParser("-m experiments.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s --out_dir=RUN --hf_dir=DIR [--name=value]", allow_abbrev=False)
     parser.add_argument("--out_dir", required=True, help="run folder holding ckpt.pt")
     parser.add_argument("--hf_dir", required=True, help="folder to write (made if absent; an earlier export "
                         "there is replaced, any other content refused)")

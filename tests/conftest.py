@@ -35,6 +35,21 @@ def assert_one_error_line(code, err, *phrases):
         assert phrase in lines[0], (phrase, lines[0])
 
 
+def exit_status(main, argv):
+    """main(argv) as the script's exit status, argparse's SystemExit included (a mistake on the command line)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def assert_usage_error(code, err, prog, *phrases):
+    """A command line argparse refuses: status 2, its usage line, then one `PROG: error:` line holding each phrase."""
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert len(lines) == 2 and lines[0].startswith("usage: ") and lines[1].startswith(f"{prog}: error: "), err
+    for phrase in phrases:
+        assert phrase in lines[1], (phrase, lines[1])
 
 
 # A train.py run of seconds: a micro model (the size's other settings) on a 512-id corpus.

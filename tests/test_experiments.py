@@ -23,8 +23,8 @@ import torch
 import leviathan
 import prepare_data as prep
 import train
-from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, random_model,
-                      train_cli)
+from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
+                      exit_status, random_model, train_cli)
 from experiments import acceptance, bench, compare, evaluate, runs, study
 from experiments.evaluate import LeviathanLM, scoring_windows
 from prepare_data import UserError, run_main, tokenizer_from_meta
@@ -330,7 +330,6 @@ def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, phrase", [
     ([], "pass --out_dir=RUN to evaluate, or --compare"),
-    (["--out_dir=x", "--shots=5"], "unrecognized arguments: --shots=5"),
     (["--out_dir=x", "--limit=0"], "at least 1"),
     (["--compare", "x"], "at least two run folders"),
     (["--compare", "x", "x"], "at least two run folders, each once"),
@@ -339,6 +338,8 @@ def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
 def test_evaluate_bad_options_give_one_error_line(args, phrase, capsys):
     code = evaluate.main(args)
     assert_one_error_line(code, capsys.readouterr().err, phrase)
+    code = exit_status(evaluate.main, ["--out_dir=x", "--shots=5"])  # argparse's own: usage, then the error
+    assert_usage_error(code, capsys.readouterr().err, "python -m experiments.evaluate", "unrecognized arguments")
 
 
 @needs_lm_eval
@@ -381,18 +382,20 @@ def test_a_damaged_results_file_is_one_line_before_any_evaluation(tmp_path, monk
     assert results.read_bytes() == damage
 
 
-def test_every_script_reads_numbers_by_one_rule():
-    """One rule for number options in every script (prepare_data.parse_number, train.py's too): an
-    int may be written 1e3 or 1_000 and is exact however long; a fraction or a word is refused."""
-    assert compare.parse_args(["--size=tiny", "--gpus=0e0"]).gpus == 0
-    assert evaluate.parse_args(["--out_dir=x", "--limit=1e2"]).limit == 100
-    assert prep._parse_args(["--dataset=demo", "--max_tokens=2_000", "--val_fraction=5e-2"]).max_tokens == 2000
-    assert prep.parse_number(int)(str(2**64 + 1)) == 2**64 + 1  # not through a float
-    for parse, text in [(lambda: compare.parse_args(["--size=tiny", "--gpus=1.5"]), "expected int, got '1.5'"),
-                        (lambda: evaluate.parse_args(["--out_dir=x", "--batch_size=many"]), "expected int, got 'many'"),
-                        (lambda: bench.bench(["lev", "--repeats=2.5"]), "expected int, got '2.5'")]:
-        with pytest.raises(UserError, match=re.escape(text)):
-            parse()
+def test_every_script_reads_numbers_by_one_rule(capsys):
+    """One rule for number options in every script, Python's int() and float(): an int may be written 1_000
+    and is exact however long; a fraction, an exponent or a word is refused by argparse (usage, status 2)."""
+    assert compare.parse_args(["--size=tiny", "--gpus=0"]).gpus == 0
+    assert evaluate.parse_args(["--out_dir=x", "--limit=1_000"]).limit == 1000
+    args = prep._parse_args(["--dataset=demo", f"--max_tokens={2**64 + 1}", "--val_fraction=5e-2"])
+    assert (args.max_tokens, args.val_fraction) == (2**64 + 1, 0.05)  # not through a float
+    assert train.parse_args(["--total_tokens=24_100_000_000"]) == {"total_tokens": 24_100_000_000}
+    for parse, argv, prog in [(compare.parse_args, ["--size=tiny", "--gpus=1.5"], "python -m experiments.compare"),
+                              (evaluate.parse_args, ["--out_dir=x", "--batch_size=many"], "python -m experiments.evaluate"),
+                              (bench.bench, ["lev", "--repeats=2.5"], "python -m experiments.bench"),
+                              (prep._parse_args, ["--max_tokens=1e6"], "prepare_data.py"),
+                              (train.parse_args, ["--total_tokens=4.2e9"], "train.py")]:
+        assert_usage_error(exit_status(parse, argv), capsys.readouterr().err, prog, "invalid int value")
 
 
 def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
@@ -447,7 +450,6 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
 
 
 @pytest.mark.parametrize("args, phrase", [
-    ([], "the following arguments are required: --size"),
     (["--size=7b"], "--size=7b: choose one of tiny, 200m, 400m, 1.2b"),
     (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
     (["--size=tiny", "--gpus=-1"], "--gpus=-1: this machine has"),
@@ -456,6 +458,8 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
 ])
 def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
     assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
+    code = exit_status(compare.compare, [])  # argparse's own: usage, then the error
+    assert_usage_error(code, capsys.readouterr().err, "python -m experiments.compare", "required: --size")
 
 
 def test_compare_without_lm_eval_says_so_before_training(monkeypatch, tmp_path, capsys):
@@ -626,13 +630,23 @@ def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
 def test_bench_options_out_of_range_are_one_error_line(capsys):
     """In this process (run_main is what the module runs), and once as a user runs it."""
     for args, phrase in [(["--repeats=0"], "--repeats=0"), (["--device=tpu"], "--device=tpu"), (["nosuch"], "nosuch"),
-                         (["model", "gpu"], "gpu: alone, first"), (["gpu", "--device=tpu"], "--device=tpu"),
-                         (["gpu", "--repeats=3"], "unrecognized arguments: --repeats=3")]:
+                         (["model", "gpu"], "gpu: alone, first"), (["gpu", "--device=tpu"], "--device=tpu")]:
         assert_one_error_line(run_main(bench.bench, args), capsys.readouterr().err, phrase)
+    code = exit_status(bench.bench, ["gpu", "--repeats=3"])  # argparse's own: usage, then the error
+    assert_usage_error(code, capsys.readouterr().err, "python -m experiments.acceptance", "unrecognized arguments")
     if not torch.cuda.is_available():  # the GPU acceptance run refuses a machine without one, under either name
         for module, args in (("acceptance", ()), ("bench", ("gpu",))):
             r = run_module(module, *args)
             assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU", "--toy")
+
+
+def test_peak_flops_match_whole_words_of_the_device_name():
+    assert acceptance.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert acceptance.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert acceptance.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert acceptance.peak_flops("NVIDIA GB200") == 2500e12  # not a B200
+    assert acceptance.peak_flops("NVIDIA A10G") is None  # not an A10: no MFU rather than a wrong one
+    assert acceptance.peak_flops("Tesla V100-SXM2-16GB") is None
 
 
 def test_acceptance_mfu_is_the_models_flops_over_the_gpus_peak(tmp_path):

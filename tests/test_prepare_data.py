@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from conftest import HERE, assert_one_error_line, run_script
+from conftest import HERE, assert_one_error_line, assert_usage_error, run_script
 
 import prepare_data as prep
 from prepare_data import UserError, tokenizer_from_meta
@@ -217,7 +217,7 @@ def test_demo_prepares_the_builtin_corpus(tmp_path):
     assert len(train_tokens) == meta["splits"]["train"]["tokens"] and train_tokens.max() < 8192
     assert (train_tokens == 8191).sum() == meta["splits"]["train"]["documents"]
     assert np.load(tmp_path / "demo" / "counts.npy").sum() == len(train_tokens)
-    token_bytes = prep.load_per_id(tmp_path / "demo", "token_bytes.npy", meta["vocab_size"])
+    token_bytes = prep.open_prepared(tmp_path / "demo")[3]
     assert token_bytes.dtype == np.int32
     assert np.array_equal(token_bytes, prep.token_byte_lengths(tokenizer_from_meta(meta)))
     assert "import" in tokenizer_from_meta(meta).decode(train_tokens[:2000])
@@ -244,7 +244,6 @@ def _bad_inputs(tmp):
         ([f"--dataset={tmp / 'cut2.jsonl.zst'}"], "truncated"),
         ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
         ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
-        ([f"--dataset={good}", "--frobnicate"], "unrecognized"),
     ]
 
 
@@ -252,6 +251,8 @@ def test_bad_inputs_give_one_clear_error_line(tmp_path):
     for args, words in _bad_inputs(tmp_path):
         r = run_script("prepare_data.py", *args, f"--out_dir={tmp_path / 'out'}")
         assert_one_error_line(r.returncode, r.stderr, words)
+    r = run_script("prepare_data.py", "--dataset=demo", "--frobnicate", f"--out_dir={tmp_path / 'out'}")
+    assert_usage_error(r.returncode, r.stderr, "prepare_data.py", "unrecognized arguments: --frobnicate")
 
 
 def test_validation_files_that_are_also_trained_on_are_refused(tmp_path):
@@ -362,14 +363,14 @@ def test_a_complete_folder_prepared_again_writes_nothing(tmp_path, monkeypatch, 
 
 
 def test_a_folder_without_token_bytes_is_refused_and_its_command_adds_it(tmp_path, capsys):
-    """token_bytes.npy is newer than some data folders: load_per_id refuses one that lacks it in
+    """token_bytes.npy is newer than some data folders: open_prepared refuses one that lacks it in
     one line, and the command that made the folder, run again over it, adds it (the same bytes)."""
     args = ["--dataset=demo", f"--out_dir={tmp_path / 'demo'}", "--workers=1"]
     assert prep.main(args) == 0
-    path, vocab_size = tmp_path / "demo" / "token_bytes.npy", prep.load_meta(tmp_path / "demo")["vocab_size"]
+    path = tmp_path / "demo" / "token_bytes.npy"
     made, shards = path.read_bytes(), {p: p.read_bytes() for p in (tmp_path / "demo").glob("*.bin")}
     path.unlink()
-    code = prep.run_main(lambda argv: prep.load_per_id(tmp_path / "demo", "token_bytes.npy", vocab_size), [])
+    code = prep.run_main(lambda argv: prep.open_prepared(tmp_path / "demo"), [])
     assert_one_error_line(code, capsys.readouterr().err, str(path), "run the command in", "meta.json again")
     assert prep.main(args) == 0
     assert path.read_bytes() == made
@@ -438,8 +439,15 @@ def test_shard_slices_and_per_id_arrays_refuse_what_they_would_read_wrongly(tmp_
     assert np.array_equal(shard[-5:], np.arange(95, 100)) and len(shard[200:300]) == 0
     with pytest.raises(IndexError, match="contiguous"):
         shard[::2]
-    np.save(tmp_path / "counts.npy", np.arange(10))
-    assert np.array_equal(prep.load_per_id(tmp_path, "counts.npy", 10), np.arange(10))
-    np.save(tmp_path / "counts.npy", np.arange(10, dtype=np.float64))
-    with pytest.raises(UserError, match="not one integer per id"):
-        prep.load_per_id(tmp_path, "counts.npy", 10)
+    folder = tmp_path / "data"  # a prepared folder of 10 ids, made by hand
+    folder.mkdir()
+    for split in ("train", "val"):
+        prep.write_shard(folder / f"{split}_000000.bin", np.arange(10), vocab_size=10)
+    prep.write_json(folder / "meta.json", dict(vocab_size=10, splits=dict.fromkeys(["train", "val"],
+                                                                                   dict(shards=1, tokens=10))))
+    np.save(folder / "token_bytes.npy", np.ones(10, dtype=np.int32))
+    np.save(folder / "counts.npy", np.arange(10))
+    assert np.array_equal(prep.open_prepared(folder)[2], np.arange(10))
+    np.save(folder / "counts.npy", np.arange(10, dtype=np.float64))
+    with pytest.raises(UserError, match="counts.npy is missing or not one integer per id"):
+        prep.open_prepared(folder)

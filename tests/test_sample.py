@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, random_model, run_script
+from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, assert_usage_error, exit_status,
+                      random_model, run_script)
 
 from test_leviathan import generated_ids
 import sample
@@ -131,7 +132,7 @@ def bad_inputs(tmp_path_factory):
         "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
         "infinite temperature": ([good, "--temperature=inf"], "temperature must be >= 0 and finite"),
         "seed too large": ([good, f"--seed={2**64}"], "--seed must be in [0, 2^63)"),
-        "fractional count": ([good, "--max_new_tokens=2.5"], "expected int, got '2.5'"),
+        "fractional count": ([good, "--max_new_tokens=2.5"], "invalid int value: '2.5'"),
         "top_p zero": ([good, "--top_p=0"], "top_p must be in (0, 1]"),
         "top_p above one": ([good, "--top_p=1.5"], "top_p must be in (0, 1]"),
         "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
@@ -153,13 +154,20 @@ BAD = ["no folder", "no checkpoint", "corrupt", "zero bytes", "unknown config ke
 BAD += [] if torch.backends.mps.is_available() else ["device not built"]
 
 
+# argparse's own refusals: its usage line, then its error line, status 2
+USAGE = {"prompt file not UTF-8", "two prompts", "fractional count", "unknown option", "bad flag", "no out_dir"}
+
+
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
     # In-process through main(), the CLI's entry point: an exception escaping it fails here.
     args, *phrases = bad_inputs[case]
-    code = sample.main(args)
+    code = exit_status(sample.main, args)
     out, err = capsys.readouterr()
-    assert_one_error_line(code, err, *phrases)
+    if case in USAGE:
+        assert_usage_error(code, err, "sample.py", *phrases)
+    else:
+        assert_one_error_line(code, err, *phrases)
     assert out == ""
 
 

@@ -1,5 +1,4 @@
 """train.py: the sizes, training, resuming, DDP, checkpoints, evaluation, bad input."""
-import dataclasses
 import errno
 import fcntl
 import importlib.util
@@ -22,11 +21,11 @@ import torch
 
 import leviathan
 import train
-from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, logged_losses, prepare_corpus,
-                      run_script, train_cli)
+from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, assert_usage_error, exit_status,
+                      logged_losses, prepare_corpus, run_script, train_cli)
 from leviathan import EMBEDDINGS, Config, Model
 import prepare_data as prep
-from prepare_data import UserError, run_main
+from prepare_data import UserError
 from experiments.bench import size_model
 from test_leviathan import lev_param_formula
 
@@ -69,15 +68,6 @@ def reference_run(train_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
     train_cli(train_data, out, *EXACT, env=THREADED)
     return logged_losses(out)
-
-
-def test_peak_flops_match_whole_words_of_the_device_name():
-    assert train.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert train.peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert train.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert train.peak_flops("NVIDIA GB200") == 2500e12  # not a B200
-    assert train.peak_flops("NVIDIA A10G") is None  # not an A10: no MFU rather than a wrong one
-    assert train.peak_flops("Tesla V100-SXM2-16GB") is None
 
 
 def test_loss_decreases_and_eval_is_written(train_data, tmp_path):
@@ -374,10 +364,12 @@ def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     assert not os.path.exists(out / "ckpt.pt.tmp")
 
 
-def hangup_by_default():
-    """In the child: SIGHUP stops it, as in a terminal, even where the tests run under nohup (which the run
-    would rightly leave ignored)."""
+def signals_as_in_a_terminal():
+    """In the child: SIGHUP and SIGINT reach it, as in a terminal, even where the tests run under nohup or as
+    a shell script's background job (`bash .ci/run &`), which start it with them ignored (and the run would
+    rightly leave them so)."""
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # SIGUSR1: SLURM's --signal; SIGHUP: the terminal closed
@@ -386,7 +378,7 @@ def test_preemption_signal_saves_a_resumable_checkpoint(train_data, tmp_path, re
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
     proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=hangup_by_default)
+                            text=True, preexec_fn=signals_as_in_a_terminal)
     log = out / "log.jsonl"
     deadline = time.time() + 120
     while not (log.exists() and log.read_text()) and time.time() < deadline and proc.poll() is None:
@@ -408,7 +400,7 @@ def test_closing_the_terminal_saves_a_resumable_checkpoint(train_data, tmp_path,
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
     proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdin=terminal, stdout=terminal,
                             stderr=terminal, start_new_session=True,  # its own session, the pty its terminal
-                            preexec_fn=lambda: hangup_by_default() or fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                            preexec_fn=lambda: signals_as_in_a_terminal() or fcntl.ioctl(0, termios.TIOCSCTTY, 0))
     os.close(terminal)  # left unread: the run's output (~3 KB) fits the terminal's buffer
     log = out / "log.jsonl"
     deadline = time.time() + 120
@@ -463,7 +455,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(train_data, tmp_pat
 
 def test_every_training_window_once_per_epoch():
     shards = [np.arange(start, start + n) for start, n in [(0, 41), (1000, 10), (2000, 33), (3000, 5)]]
-    windows = train.Windows(shards, seq_len=4, seed=7, vocab_size=4000)
+    windows = train.Windows(shards, seq_len=4, seed=7)
     assert windows.total == 10 + 2 + 8 + 1  # (n - 1) // seq_len windows per shard
     expected = sorted((s[0] // 1000, i) for s in shards for i in range(0, (len(s) - 1) // 4 * 4, 4))
     epochs = []
@@ -473,7 +465,7 @@ def test_every_training_window_once_per_epoch():
         assert sorted((w[0] // 1000, w[0] % 1000) for w in got) == expected
         epochs.append([int(w[0]) for w in got])
     assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # shuffled, anew each epoch
-    again = train.Windows(shards, seq_len=4, seed=7, vocab_size=4000)
+    again = train.Windows(shards, seq_len=4, seed=7)
     assert [int(again[p][0]) for p in range(windows.total)] == epochs[0]  # deterministic
 
 
@@ -581,19 +573,28 @@ def test_every_train_option_out_of_range_is_one_error_line(train_data, tmp_path,
         value = value.format(missing=tmp_path / "missing", file=tmp_path / "file")
         options = {**good, "data_dir": f"--data_dir={train_data}", "out_dir": f"--out_dir={tmp_path / 'o'}",
                    name: f"--{name}={value}"}
-        code = run_main(train.main, list(options.values()))  # as the script runs it
+        code = exit_status(train.main, list(options.values()))
         err = capsys.readouterr().err
-        assert_one_error_line(code, err)
-        assert f"--{name}" in err or value in err, (name, err)
+        if code == 2:  # argparse's: not a number, not true or false
+            assert_usage_error(code, err, "train.py", f"--{name}")
+        else:
+            assert_one_error_line(code, err)
+            assert f"--{name}" in err or value in err, (name, err)
     assert not (tmp_path / "o").exists()  # refused before anything was written
 
 
 def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
     """In this process (main() is what the script runs), and once as a user runs it."""
     out = tmp_path / "o"
+    for args, phrases in [(["--colour=red"], ["unrecognized arguments: --colour=red"]),
+                          (["--lr=fast"], ["argument --lr: invalid float value: 'fast'"]),
+                          (["--total_tokens=4.2e9"], ["argument --total_tokens: invalid int value: '4.2e9'"]),
+                          (["--resume=maybe"], ["argument --resume: expected true or false, got 'maybe'"])]:
+        code = exit_status(train.main, [f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
+        assert_usage_error(code, capsys.readouterr().err, "train.py", *phrases)
+    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", "--colour=red")
+    assert_usage_error(r.returncode, r.stderr, "train.py", "unrecognized arguments: --colour=red")
     for args, phrases in [(["--size=3b"], ["--size=3b", "tiny"]),
-                          (["--colour=red"], ["unrecognized arguments: --colour=red", "python train.py --help"]),
-                          (["--lr=fast"], ["--lr", "expected float, got 'fast'"]),
                           (["--embedding=sparse"], ["lev, tied, untied"]),
                           (["--batch_tokens=500"], ["batch_tokens=500 does not divide"]),
                           (["--embedding=tied", "--lr_head=10"], ["--lr_head", "--lr_input"]),
@@ -603,11 +604,7 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
                           (["--resume"], ["no checkpoint", "train first"])]:
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
         assert_one_error_line(code, capsys.readouterr().err, *phrases)
-    srun_task = {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}  # srun -n 4 train.py
-    r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, env=srun_task)
-    assert_one_error_line(r.returncode, r.stderr, "4 tasks", "without torchrun", "srun torchrun")
     assert not out.exists()
-    train_cli(train_data, out, "--total_tokens=512", env={"SLURM_NTASKS": "4"})  # a batch script: one process
 
 
 def test_batch_that_does_not_divide_over_the_world_size(train_data, tmp_path):
@@ -643,8 +640,8 @@ def test_shard_from_another_tokenizer(train_data, tmp_path):
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_ids_past_the_vocabulary_under_an_intact_header_are_one_line(train_data, tmp_path, split):
     """Damaged tokens in a shard whose header is whole: in the val split one line at set-up; in the
-    train split one line at the step that reads them, from a two-rank run that ends instead of
-    hanging, its last checkpoint kept."""
+    train split one line from each rank that reads them, at that step, and a two-rank run that ends
+    instead of hanging, its last checkpoint kept."""
     bad, out = tmp_path / "data", tmp_path / "o"
     shutil.copytree(train_data, bad)
     if split == "train":
@@ -656,10 +653,10 @@ def test_ids_past_the_vocabulary_under_an_intact_header_are_one_line(train_data,
     tokens[4096 if split == "train" else 0::50] = 600
     tokens.flush()
     r = train_cli(bad, out, "--total_tokens=4096", *(["--resume"] if split == "train" else []), nproc=2, check=False)
-    # one line: from rank 0 at a step (every rank meets it there), from each rank at set-up; torchrun adds its report
-    errors = {line for line in r.stderr.splitlines() if line.startswith("error:")}
-    assert r.returncode != 0 and len(errors) == 1, r.stderr
-    assert path in min(errors) and "id 600, past the vocabulary of 512" in min(errors), r.stderr
+    # a line from each rank that met them (each reads its own windows); torchrun adds its report
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and 1 <= len(errors) <= 2, r.stderr
+    assert all(path in line and "id 600, past the vocabulary of 512" in line for line in errors), r.stderr
     if split == "train":
         assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
     else:
@@ -734,9 +731,9 @@ def test_every_torchrun_option_in_the_readme_exists_in_this_torch():
     assert needed <= known, needed - known
 
 
-def test_a_reader_that_goes_away_stops_the_run_saved_first(train_data, tmp_path, reference_run):
-    """`train.py | head`: the closed pipe stops the run as a signal does (status 128 + SIGPIPE), with
-    a checkpoint of its last step, from which --resume repeats the uninterrupted run."""
+def test_a_reader_that_goes_away_does_not_stop_the_run(train_data, tmp_path, reference_run):
+    """`train.py | head`, or `nohup train.py | tee log &` at logout: once the pipe is closed the output goes
+    nowhere, and the run trains to its end as if nothing had happened (only signals stop a run)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *EXACT]
     proc = subprocess.Popen(cmd, cwd=HERE, env={**SCRIPT_ENV, **THREADED}, stdout=subprocess.PIPE,
@@ -744,11 +741,9 @@ def test_a_reader_that_goes_away_stops_the_run_saved_first(train_data, tmp_path,
     proc.stdout.readline()  # the config line, then the reader is gone
     proc.stdout.close()
     stderr = proc.stderr.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, stderr
-    assert "Traceback" not in stderr
-    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
-    assert 1 <= step < STEPS and max(logged_losses(out)) == step
-    train_cli(train_data, out, *EXACT, "--resume", env=THREADED)
+    assert proc.wait(timeout=120) == 0, stderr
+    assert stderr == ""
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == STEPS
     assert logged_losses(out) == reference_run
 
 
@@ -756,11 +751,11 @@ def test_a_second_ctrl_c_leaves_at_once_past_failing_exit_hooks(train_data, tmp_
     """Ctrl-C, then Ctrl-C again mid-step: out at once, status 130, no traceback from an exit hook (torch's
     can fail after a compile cut short: here one that raises stands in for it), the last checkpoint kept."""
     out = tmp_path / "run"
-    code = "import atexit, sys, train; atexit.register(lambda: 1 / 0); sys.exit(train.run_main(train.main, sys.argv[1:]))"
+    code = "import atexit, sys, train; atexit.register(lambda: 1 / 0); sys.exit(train.main(sys.argv[1:]))"
     slow_steps = ["--batch_tokens=131072", "--total_tokens=1310720", "--ckpt_interval=1"]  # 512 micro-steps each
     proc = subprocess.Popen([sys.executable, "-c", code, f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS,
                              *slow_steps], cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=signals_as_in_a_terminal)
     lines = iter(proc.stdout.readline, "")
     assert any(line.startswith("checkpoint: step 1") for line in lines)
     proc.send_signal(signal.SIGINT)
@@ -773,10 +768,12 @@ def test_a_second_ctrl_c_leaves_at_once_past_failing_exit_hooks(train_data, tmp_
 
 
 @pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "experiments.compare"]])
-def test_ctrl_c_while_torch_is_imported_is_one_line(command):
-    """SIGINT during a script's imports (seconds of torch loading): one line and status 130."""
+def test_ctrl_c_while_torch_is_imported_ends_without_a_traceback(command):
+    """SIGINT during a script's imports (seconds of torch loading) ends it as it would end any program at a
+    shell's prompt: killed by the signal (the shell's status 130), nothing printed."""
     proc = subprocess.Popen([sys.executable, *command, "--help"], cwd=HERE, env=SCRIPT_ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_in_a_terminal)
     maps, deadline = f"/proc/{proc.pid}/maps", time.time() + 60
     if not os.path.exists(maps):
         proc.kill()
@@ -785,7 +782,7 @@ def test_ctrl_c_while_torch_is_imported_is_one_line(command):
         time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
-    assert (proc.returncode, stderr.strip()) == (130, "interrupted"), stdout[-300:] + stderr
+    assert (proc.returncode, stderr) == (-signal.SIGINT, ""), stdout[-300:] + stderr
 
 
 def test_a_rank_outside_the_world_is_one_line(train_data, tmp_path, monkeypatch, capsys):
@@ -800,9 +797,10 @@ def test_a_rank_outside_the_world_is_one_line(train_data, tmp_path, monkeypatch,
 
 def test_more_ranks_than_gpus_on_nccl_is_one_line_naming_gloo(train_data, tmp_path, monkeypatch, capsys):
     """Two ranks on a node of one GPU: NCCL would fail in the first collective with a "duplicate GPU" traceback;
-    the line names --backend=gloo. (A GPU is pretended: the refusal comes before any CUDA call.)"""
+    the line names --backend=gloo. (A GPU is pretended: the refusal comes before the group forms.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(name, value)
     code = train.main([f"--data_dir={train_data}", f"--out_dir={tmp_path / 'o'}", *TRAIN_ARGS, "--device=cuda"])
