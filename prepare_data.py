@@ -3,12 +3,9 @@
     python prepare_data.py                          # uncopyrighted Pile, Hugging Face Hub -> data/pile/
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.txt, glob, folder
-
-Top to bottom: the shard format, the tokenizer, the corpora, the pipeline; last, the error type and the
-one-line errors and safe writes that every script shares.
 """
-import argparse, contextlib, functools, glob, gzip, hashlib, itertools, json, logging, math, os
-import platform, shlex, signal, sys, sysconfig, tempfile, time
+import argparse, contextlib, fcntl, filecmp, functools, glob, gzip, hashlib, itertools, json, logging, math
+import os, platform, shlex, signal, sys, sysconfig, tempfile, time
 from importlib import resources
 from pathlib import Path
 
@@ -43,9 +40,8 @@ def write_shard(path, tokens, vocab_size):
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 class Shard:
-    """A shard's tokens, read from its file when sliced: shard[a:b], shard[:] for all, each id checked against
-    the vocabulary (damaged tokens, intact header: a crash, or for LEV a padding row trained). Not a memory
-    map, which holds its file open for good: only the 16 shards read last keep theirs open."""
+    """A shard's tokens, read when sliced (shard[a:b], shard[:] for all), each id checked (a crash, or for LEV
+    a padding row trained); not a memory map, which holds its file open: 16 shards at most keep theirs."""
     open_files = {}  # shard -> its open file, the most recently read at the end
     def __init__(self, filename, dtype, n, vocab_size):
         self.filename, self.dtype, self.n, self.vocab_size = filename, dtype, n, vocab_size
@@ -95,9 +91,8 @@ def load_meta(data_dir):
     return read_json(path, "delete it and run prepare_data.py again, with the same options")
 
 def open_prepared(data_dir):
-    """(meta, splits, counts, token_bytes), all checked now, not at first use: meta.json; each split's shards,
-    as many as it lists (one lost in a copy would train on less data); each id's count in the train split and
-    its UTF-8 bytes (0 for end-of-text)."""
+    """(meta, splits, counts, token_bytes), checked now: meta.json, each split's shards (as many as it lists:
+    one lost in a copy would train on less data), each id's count in the train split and its UTF-8 bytes."""
     meta = load_meta(data_dir)
     splits = {}
     for split in ("train", "val"):
@@ -140,9 +135,8 @@ def seed_tiktoken_cache(name):
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken Encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1.
-    Merges apply in rank order, so a rank prefix holding all 256 single bytes is itself a byte-level BPE.
-    Text is encoded with encode_ordinary: a literal "<|endoftext|>" in a document is plain text."""
+    """tiktoken Encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1
+    (merges apply in rank order, so a prefix holding the 256 single bytes is itself a byte-level BPE)."""
     if name not in BUNDLED:  # any other would be downloaded: offline, a ConnectionError
         raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(BUNDLED)}")
     seed_tiktoken_cache(name)
@@ -207,7 +201,10 @@ def _zstd_lines(path, f):
     while data := f.read(1 << 20):
         while data:  # a .zst file may hold several frames back to back
             frame = zstandard.ZstdDecompressor().decompressobj() if frame is None or frame.eof else frame
-            *lines, tail = (tail + frame.decompress(data)).split(b"\n")  # not zstd at all: a ZstdError
+            try:
+                *lines, tail = (tail + frame.decompress(data)).split(b"\n")
+            except zstandard.ZstdError as e:  # not zstd at all, or damaged: complete shards are kept
+                raise UserError(f"{path}: not valid zstd ({e}); replace it, then rerun") from None
             data = frame.unused_data if frame.eof else b""
             yield from lines
     if frame and not frame.eof:
@@ -255,11 +252,10 @@ def _tokenized(tok, docs, workers, batch_docs=512):
             yield index, np.array(ids + [tok.eot_token], token_dtype(tok.n_vocab))
 
 def _write_split(split, docs, tok, args, out_dir, progress):
-    """One split's (index, text) -> shards of --shard_tokens ids; returns its closing line. After each shard,
-    progress.json says where the next starts: a rerun resumes there, writing an uninterrupted run's bytes."""
+    """One split's (index, text) -> shards; returns its closing line. After each shard, progress.json says
+    where the next starts: a rerun resumes there, writing an uninterrupted run's bytes."""
     state, started, last_line = progress["splits"][split], time.time(), time.time()
-    budget = args.val_tokens if split == "val" else args.max_tokens
-    budget = math.inf if budget is None else budget  # a budget below 1 leaves the split empty: refused below
+    budget = (args.val_tokens if split == "val" else args.max_tokens) or math.inf  # None: no budget
     first, skip, tokens_before = state["next_doc"], state["skip"], state["tokens"]  # 0 unless resuming
     shard, filled = np.empty(args.shard_tokens, token_dtype(tok.n_vocab)), 0  # <= 400 MB at the default
     def save(tokens, **position):  # the shard, then progress.json: it never points past a whole shard
@@ -293,8 +289,8 @@ def _write_split(split, docs, tok, args, out_dir, progress):
         if state["tokens"] >= budget:
             break
     if state["tokens"] == 0:  # before "done": a split marked done must not be empty
-        raise UserError(f"the {split} split is empty: no tokens reached it (an empty corpus? --max_tokens or "
-                        "--val_tokens below 1? for a tiny corpus raise --val_fraction or pass --val=PATH)")
+        raise UserError(f"the {split} split is empty: no tokens reached it (an empty corpus? for a tiny one "
+                        "raise --val_fraction or pass --val=PATH)")
     state["done"] = True
     save(shard[:filled])
     return line()
@@ -328,6 +324,8 @@ def _parse_args(argv):
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
     if not 0 < args.val_fraction <= 0.5 and not args.val:  # all in val: train would be empty, found late
         raise UserError(f"--val_fraction={args.val_fraction}: must be in (0, 0.5]")
+    if any(n is not None and n < 1 for n in (args.val_tokens, args.max_tokens)):  # before a split is written
+        raise UserError(f"--val_tokens={args.val_tokens}, --max_tokens={args.max_tokens}: each at least 1")
     if not 0 < args.shard_tokens < 1 << 31:  # 2**31 would fail once encoded, as it is written; 0 never fills
         raise UserError(f"--shard_tokens={args.shard_tokens}: must be in [1, 2**31), an int32 count")
     return args
@@ -351,7 +349,7 @@ def _sources(args):
     if args.val:  # an explicit validation set: all of it; every document of --dataset trains
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
         # a file in both splits: the validation loss would be measured on text the model trains on, silently
-        if shared := sorted(set(map(os.path.realpath, files)).intersection(map(os.path.realpath, val_files))):
+        if shared := sorted(v for v in val_files for f in files if filecmp.cmp(v, f, shallow=False)):
             raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val its "
                             "own files, or leave it out (then --val_fraction holds out part of --dataset)")
         val = functools.partial(file_documents, val_files)
@@ -421,13 +419,8 @@ def main(argv):
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
-def print_error(e):
-    # One line, however many the message has, in one write: ranks that meet the same error print whole lines
-    sys.stderr.write("error: " + " ".join(str(e).split()) + "\n")  # stderr flushes each line (Python 3.9+)
-
 def run_main(command, argv=None, kept=""):
-    """command(argv) as an exit status, no traceback for the user: a UserError or OSError is one line (1),
-    Ctrl-C one (130), each ending with `kept`, what survives. Output to a reader gone (`| head`): quiet."""
+    """command(argv) as an exit status: a UserError or OSError one line (1), Ctrl-C one (130), `kept` said."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # the imports' seconds are over: Ctrl-C raises
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -438,11 +431,9 @@ def run_main(command, argv=None, kept=""):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
         return 0
-    except UserError as e:
-        print_error(e)
-        return 1
-    except OSError as e:  # the environment, not the input: a path under a file, a full disk, no permission
-        print_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}; fix it and run again{kept}")
+    except (UserError, OSError) as e:  # OSError: the environment, not the input (a full disk, no permission)
+        advice = f"; fix it and run again{kept}" if isinstance(e, OSError) else ""
+        print("error: " + " ".join(f"{e}{advice}".split()), file=sys.stderr)  # one line, whatever e says
         return 1
 
 def atomic_write(path, write, mode="wb"):
@@ -460,6 +451,19 @@ def atomic_write(path, write, mode="wb"):
         if isinstance(e, OSError) and e.filename == tmp:
             e.filename = path  # the path the user gave, not its hidden temporary
         raise
+
+def hold_folder(folder, option="--out_dir"):
+    """folder for this process until it ends or closes the file returned (an flock: never a stale lock)."""
+    lock = open(os.path.join(folder, ".lock"), "a+", buffering=1)  # line-buffered: each line written at once
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"  # its own line, written once it held the lock
+        raise UserError(f"{folder} is in use by {holder}: wait for it, or pass another {option}") from None
+    lock.truncate(0)
+    lock.write(f"process {os.getpid()} on {platform.node()}\n")
+    return lock
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")

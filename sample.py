@@ -2,7 +2,7 @@
 
     python sample.py --out_dir=RUN                       # a new document, from end-of-text
     python sample.py --out_dir=RUN --prompt="The river" --num_samples=3 --temperature=0.8 --top_p=0.95
-    python sample.py --out_dir=RUN --prompt_file=prompt.txt --temperature=0 --stop_at_eot=false
+    python sample.py --out_dir=RUN --prompt_file=prompt.txt --temperature=0 --no-stop_at_eot
 """
 import argparse, codecs, math, os, signal, sys, textwrap, time
 
@@ -12,7 +12,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 import torch
 
 from leviathan import Config, Model, generate_text, precision
-from train import load_checkpoint, parse_bool
+from train import load_checkpoint
 
 def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
@@ -65,7 +65,6 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="sample.py", usage="%(prog)s --out_dir=RUN [--name=value]",
                                      allow_abbrev=False, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    flag = dict(type=parse_bool, nargs="?", const=True)  # --name alone, or --name=true/false
     add("--out_dir", required=True, help="run folder holding ckpt.pt")
     prompt = parser.add_mutually_exclusive_group()  # both: argparse refuses in one line
     prompt.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
@@ -77,10 +76,11 @@ def parse_args(argv):
     add("--top_k", type=int, default=200, help="0 = off")
     add("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
     add("--seed", type=int, default=1337, help="seed of the sampling generator")
-    add("--stop_at_eot", **flag, default=True, help="stop a sample at end-of-text (default true)")
+    flag = argparse.BooleanOptionalAction  # --name, or --no-name
+    add("--stop_at_eot", action=flag, default=True, help="end a sample at end-of-text")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
-    add("--compile", **flag, default=False, help="torch.compile LEV (before freezing) and the forward pass")
-    add("--bf16", **flag, default=None, help="bf16 autocast, as in training (default: on for CUDA only)")
+    add("--compile", action="store_true", help="torch.compile LEV (before freezing) and the forward pass")
+    add("--bf16", action=flag, help="bf16 autocast, as in training (None: on CUDA)")
     args = parser.parse_args(argv)
     # Out of range: the least likely ids (temperature < 0), a torch traceback (top_k, top_p, seed), no output
     for name, fits, allowed in [("temperature", 0 <= args.temperature < math.inf, ">= 0 and finite"),

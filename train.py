@@ -3,7 +3,7 @@
     python train.py --size=tiny                       # CPU, minutes (data/demo); then --resume or --eval_only
     torchrun --nproc_per_node=8 train.py --size=1.2b  # DDP; add --nnodes/--rdzv_* for several nodes
 
-Options: --name=value for each key of OPTIONS (a bare --flag is true; --help says what each does).
+Options: --name=value for each key of OPTIONS, --flag or --no-flag for a yes/no one (--help: what each does).
 """
 import argparse, datetime, importlib.util, json, math, os, re, signal, sys, time, uuid, zlib
 from contextlib import nullcontext, suppress
@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
-from prepare_data import UserError, atomic_write, open_prepared, write_json
+from prepare_data import UserError, atomic_write, hold_folder, open_prepared, prepare, write_json
 
 # ---------------------------------------------------------------------------- the options and the sizes
 OPTIONS = dict(  # name=(tiny's default, what it does); each size in SIZES sets its own values over these
@@ -90,12 +90,6 @@ RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_toke
                "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16",
                "bf16_allreduce", "backend", "deterministic", "wandb_project"}
 
-def parse_bool(text):
-    """The true/false rule of every script's flags: --name=true or --name=false (also 1/0, yes/no, on/off)."""
-    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("1", "true", "yes", "on")
-
 def parse_args(argv):
     """--name=value options -> {name: value} for the options given (--resume must know which)."""
     parser = argparse.ArgumentParser(prog="train.py", usage="%(prog)s [--name=value]", description=__doc__,
@@ -104,8 +98,8 @@ def parse_args(argv):
     for name, (default, sentence) in OPTIONS.items():
         kind = kinds.get(name, type(default))
         unless_given = dict(default=argparse.SUPPRESS, help=f"{sentence} (default {default!r})")
-        if kind is bool:  # --flag alone is --flag=true
-            parser.add_argument(f"--{name}", type=parse_bool, nargs="?", const=True, **unless_given)
+        if kind is bool:  # --flag, or --no-flag
+            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, **unless_given)
         else:
             parser.add_argument(f"--{name}", type=kind, **unless_given)
     return vars(parser.parse_args(argv))
@@ -221,17 +215,15 @@ def join_ranks(config, device):
 
 def open_data(config):
     """(meta, fingerprint, train, val, counts, byte_lengths), as Run declares them; shards read as used."""
-    seq_len = config.seq_len
     meta, splits, counts, byte_lengths = open_prepared(config.data_dir)
     fingerprint = {split: {os.path.basename(s.filename): [len(s), zlib.crc32(s[:4096].tobytes())]
                            for s in shards} for split, shards in splits.items()}  # length, crc32 of its start
-    train = Windows(splits["train"], seq_len, config.seed)
-    # the validation windows: the first n_val of the val split, in order, the same tokens at every evaluation
-    n_val = max(1, config.eval_tokens // seq_len)
-    starts = [(s, i * seq_len) for s in splits["val"] for i in range((len(s) - 1) // seq_len)]
-    val = [s[start:start + seq_len + 1] for s, start in starts[:n_val]]
+    train = Windows(splits["train"], config.seq_len, config.seed)
+    n_val = max(1, config.eval_tokens // config.seq_len)  # the val split's first windows, every eval
+    starts = [(s, i * config.seq_len) for s in splits["val"] for i in range((len(s) - 1) // config.seq_len)]
+    val = [s[start:start + config.seq_len + 1] for s, start in starts[:n_val]]
     if train.total == 0 or not val:
-        raise UserError(f"the data is shorter than one window of seq_len + 1 = {seq_len + 1} tokens")
+        raise UserError(f"the data is shorter than one window of seq_len + 1 = {config.seq_len + 1} tokens")
     return meta, fingerprint, train, val, counts, byte_lengths
 
 class Windows:
@@ -350,10 +342,13 @@ class Run:
     accum: int  # micro-steps per step on this rank
     wandb_id: str  # kept in the checkpoint: a --resume continues the same W&B run
     wandb: object = None  # rank 0's W&B run, with --wandb_project
+    lock: object = None  # rank 0's hold on out_dir (prepare_data.hold_folder)
 
 def open_outputs(run, params):
-    """Rank 0's: the run described, its folder made (all else being right), config.json written, W&B on."""
+    """Rank 0's: its folder made (all else being right) and held, the run described, config.json, W&B."""
     config, outputs = run.config, dict(train=vars(run.config), model=asdict(run.model_config))
+    os.makedirs(config.out_dir, exist_ok=True)
+    run.lock = hold_folder(config.out_dir)  # one process per run: two --resume of it would both train
     say(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
     say(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x {run.device.type}, "
         f"{run.accum} micro-steps of {config.micro_batch} x {config.seq_len} per step")
@@ -361,15 +356,13 @@ def open_outputs(run, params):
         hook = run.model._get_ddp_logging_data().get("comm_hook") or "none (float32 all-reduce)"
         say(f"DDP: {run.world} ranks on {dist.get_backend()}, gradient comm hook {hook}")
     if not config.eval_only:
-        os.makedirs(config.out_dir, exist_ok=True)
         write_json(os.path.join(config.out_dir, "config.json"), outputs)
     if config.resume:
         keep_log_until(os.path.join(config.out_dir, "log.jsonl"), run.step)
     if config.wandb_project:  # one W&B run over every --resume: its id is kept in the checkpoint
         import wandb
-        name = os.path.basename(os.path.abspath(config.out_dir))
-        run.wandb = wandb.init(project=config.wandb_project, name=name, id=run.wandb_id, resume="allow",
-                               config=dict(outputs, params=params))
+        run.wandb = wandb.init(project=config.wandb_project, name=config.out_dir, id=run.wandb_id,
+                               resume="allow", config=dict(outputs, params=params))
 
 def set_up(argv):
     """The run: every check that can refuse it, in order, before anything is written; then its state."""
@@ -382,6 +375,9 @@ def set_up(argv):
         raise UserError(f"{config.out_dir} holds another run's {', '.join(written)}: pass --resume "
                         "to continue it (from its ckpt.pt), or choose another --out_dir")
     device, rank, world = setup_device(config)
+    if world == 1 and config.data_dir == "data/demo" and not os.path.exists("data/demo/meta.json"):
+        say("no prepared data in data/demo: preparing it, as `python prepare_data.py --dataset=demo` does")
+        prepare(["--dataset=demo"])
     ckpt = None
     if loading:
         needed = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
@@ -565,6 +561,8 @@ def shut_down(run, code, together=True):
     can hang (pytorch#56297), and a rank leaving alone cannot tear the group down."""
     if run is not None and run.wandb:
         run.wandb.finish(exit_code=code)
+    if run is not None and run.lock:  # the OS lets go at exit; main() may run again in this process
+        run.lock.close()
     if dist.is_initialized():
         if together:
             dist.barrier()
@@ -581,8 +579,10 @@ def main(argv):
     try:
         run = set_up(argv)
         config = run.config
-        if config.eval_only:
+        final = os.path.join(config.out_dir, f"eval_step{run.max_steps}.json")  # missing: a kill cut it short
+        if config.eval_only or run.step == run.max_steps and not os.path.exists(final):
             evaluate(run)
+        if config.eval_only:
             return shut_down(run, 0)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
             if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored

@@ -772,7 +772,7 @@ def eager_evaluation(m):
         shutil.copyfile(checkpoint, os.path.join(folder, "ckpt.pt"))
     with open(os.path.join(args.out_dir, "shallow-eager.txt"), "w") as output, contextlib.redirect_stdout(output):
         code = train.main(["--eval_only", f"--out_dir={folder}", f"--data_dir={args.data_dir}",
-                           f"--device={args.device}", "--compile=false", "--bf16=false"])
+                           f"--device={args.device}", "--no-compile", "--no-bf16"])
     if code != 0:
         raise RuntimeError(f"train.py --eval_only ended with exit status {code}")
     if m.device.type == "cuda":

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import UserError, read_json, run_main, write_json
-from train import SIZES
+from prepare_data import UserError, hold_folder, read_json, run_main, write_json
+from train import SIZES, resolve
+from train import parse_args as train_parse_args
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
 # What the paper reports for lev against tied (arXiv 2601.22040): validation perplexity per size,
@@ -49,6 +50,9 @@ def parse_args(argv):
     if any(o.split("=")[0] in ("--size", "--embedding", "--out_dir", "--resume") for o in train_options):
         raise UserError("experiments.compare sets --size, --embedding, --out_dir and --resume of its train.py runs "
                         "itself")
+    if any(o.split("=")[0] in ("--stop_step", "--eval_only") for o in train_options):
+        raise UserError("experiments.compare trains every arm to its end and tables its final evaluation: "
+                        "leave out --stop_step and --eval_only")
     args.out_dir = args.out_dir or os.path.join("out", f"compare-{args.size}")
     args.train_options = train_options
     return args
@@ -57,9 +61,12 @@ def parse_args(argv):
 # ---------------------------------------------------------------------------- training
 
 
+def arm_options(args, arm):
+    return [f"--size={args.size}", f"--embedding={arm}", *args.train_options]
+
+
 def train(args, arm):
-    run_dir, options = os.path.join(args.out_dir, arm), [f"--size={args.size}", f"--embedding={arm}",
-                                                         *args.train_options]
+    run_dir, options = os.path.join(args.out_dir, arm), arm_options(args, arm)
     if runs.finished(run_dir, options):
         print(f"{arm}: trained ({run_dir})", flush=True)
         return
@@ -74,8 +81,11 @@ def evaluate_downstream(args, arm, tasks):
     run_dir = os.path.join(args.out_dir, arm)
     done = os.path.join(run_dir, evaluate.RESULTS_FILE)
     saved = evaluate.read_results(run_dir) if os.path.exists(done) else {}
-    # a task looked at with --limit is no full result: evaluate.py says so rather than mixing the two
-    missing = [t for t in tasks if t not in saved or saved[t].get("limit") is not None]
+    # a task looked at with --limit is no full result (evaluate.py says so rather than mixing the two), nor is
+    # one of an earlier checkpoint than the arm's last
+    final_step = runs.log_records(run_dir, "eval")[-1]["step"]
+    missing = [t for t in tasks if t not in saved or saved[t].get("limit") is not None
+               or saved[t].get("step") != final_step]
     if missing:
         options = [f"--out_dir={run_dir}", f"--tasks={','.join(missing)}", f"--device={'cuda' if args.gpus else 'cpu'}"]
         options += [f"--include_path={args.include_path}"] if args.include_path else []
@@ -183,14 +193,17 @@ def compare(argv):
                         "(or pass --tasks= to skip them)")
     if tasks:  # every task known, and --include_path's YAML parsing, before training too
         evaluate.task_manager(tasks, args.include_path)
+    for arm in ARMS:  # each arm's train.py options checked too: a refused command writes nothing
+        resolve(train_parse_args(arm_options(args, arm)))
     check_same_comparison(args)
-    for arm in ARMS:
-        train(args, arm)
-    for arm in ARMS if tasks else ():
-        evaluate_downstream(args, arm, tasks)
-    text = table(args, tasks)
-    with open(os.path.join(args.out_dir, "table.md"), "w") as f:
-        f.write(text)
+    with hold_folder(args.out_dir):  # one command per comparison: a second would retrain the running arm
+        for arm in ARMS:
+            train(args, arm)
+        for arm in ARMS if tasks else ():
+            evaluate_downstream(args, arm, tasks)
+        text = table(args, tasks)
+        with open(os.path.join(args.out_dir, "table.md"), "w") as f:
+            f.write(text)
     print("\n" + text + f"\n(written to {os.path.join(args.out_dir, 'table.md')})")
 
 

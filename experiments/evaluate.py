@@ -27,10 +27,9 @@ import argparse, glob, logging, os, sys
 
 import torch
 
-from prepare_data import UserError, read_json, run_main, write_json
+from prepare_data import UserError, hold_folder, read_json, run_main, write_json
 from leviathan import precision
 from sample import check_device, load_model
-from train import parse_bool
 
 try:
     import lm_eval
@@ -216,7 +215,7 @@ def parse_args(argv):
                         help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--bf16", type=parse_bool, nargs="?", const=True, default=None,
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction,
                         help="bf16 autocast, as in training (default: on for CUDA, off for CPU)")
     parser.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
     args = parser.parse_args(argv)
@@ -284,26 +283,28 @@ def evaluate(args):
     manager = task_manager(tasks, args.include_path)  # the tasks before the model: each error as early as it can be
     model, tokenizer, step = load_model(args.out_dir, args.device)
     model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
-    adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
-    # Out of the Hub's reach, its client retries each request with a warning per try: the error says it once
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    try:
-        output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=manager,
-                                         limit=args.limit, log_samples=False)
-    except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
-        raise UserError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
-                        "from the Hugging Face Hub the first time, then reads its cache")
-    except torch.cuda.OutOfMemoryError:
-        raise UserError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
-    rows = result_rows(output["results"])
-    table = [(task, metric, number(value), number(stderr)) for task, metric, value, stderr in rows]
-    print("\n".join(markdown(["task", "metric", "value", "stderr"], table, labels=2)))
-    for task in output["results"]:
-        saved[task] = {"step": step, "limit": args.limit, "lm_eval_version": output.get("lm_eval_version"),
-                       "samples": output["n-samples"].get(task, {}).get("effective"),
-                       "metrics": {m: [v, s] for t, m, v, s in rows if t == task}}
-    write_json(path, saved)
-    print(f"# written to {path}", file=sys.stderr)
+    with hold_folder(args.out_dir):  # one process per run folder: two evaluations would keep one's results
+        saved = read_results(args.out_dir) if os.path.exists(path) else {}  # again, now that it is ours
+        adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
+        # Out of the Hub's reach, its client retries each request with a warning per try: the error says it once
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+        try:
+            output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=manager,
+                                             limit=args.limit, log_samples=False)
+        except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
+            raise UserError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
+                            "from the Hugging Face Hub the first time, then reads its cache")
+        except torch.cuda.OutOfMemoryError:
+            raise UserError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
+        rows = result_rows(output["results"])
+        table = [(task, metric, number(value), number(stderr)) for task, metric, value, stderr in rows]
+        print("\n".join(markdown(["task", "metric", "value", "stderr"], table, labels=2)))
+        for task in output["results"]:
+            saved[task] = {"step": step, "limit": args.limit, "lm_eval_version": output.get("lm_eval_version"),
+                           "samples": output["n-samples"].get(task, {}).get("effective"),
+                           "metrics": {m: [v, s] for t, m, v, s in rows if t == task}}
+        write_json(path, saved)
+        print(f"# written to {path}", file=sys.stderr)
 
 
 def evaluate_or_compare(argv):

@@ -22,17 +22,16 @@ those of our Model on one window (max |difference| <= 1e-4 x max(1, max |logit|)
 tokenizer, that it gives our ids on sample texts. Otherwise: an error line (the model) or a line
 saying the tokenizer was left out.
 """
-import argparse, dataclasses, gc, json, os, struct, sys, time
+import argparse, dataclasses, gc, json, os, shutil, struct, sys, time
 
 import torch
 
 from leviathan import Config
-from prepare_data import UserError, run_main
+from prepare_data import UserError, hold_folder, run_main
 from sample import load_model
-from train import parse_bool
 
 INSTALL = 'pip install "transformers>=5,<6"'
-MARK = "leviathan"  # config.json's entry of our metadata; also how an earlier export is recognised
+MARK = "leviathan"  # config.json's entry of our metadata
 # Every Config field and where it goes: a field this table lacks (a later leviathan.py) may change
 # what the model computes, so the export refuses it rather than guess.
 MAPPED = {"vocab_size", "d_model", "n_layer", "n_head", "seq_len", "embedding", "rope_theta"}
@@ -51,8 +50,8 @@ def parse_args(argv):
     parser.add_argument("--out_dir", required=True, help="run folder holding ckpt.pt")
     parser.add_argument("--hf_dir", required=True, help="folder to write (made if absent; an earlier export "
                         "there is replaced, any other content refused)")
-    parser.add_argument("--tokenizer", type=parse_bool, nargs="?", const=True, default=True,
-                        help="also export the tokenizer when it is exact (default true)")
+    parser.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                        help="also export the tokenizer when it is exact")
     return parser.parse_args(argv)
 
 
@@ -128,7 +127,7 @@ def fast_tokenizer(transformers, tok, seq_len):
     lowest, leftmost first); ignore_merges, as tiktoken, takes a piece that is a token whole;
     the pre-tokenizer is its pat_str. End-of-text is a special token that text never produces
     (split_special_tokens): our encode treats a literal "<|endoftext|>" as plain text."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     ranks, byte_char = tok._mergeable_ranks, bytes_to_unicode()
     def chars(b):
@@ -148,6 +147,10 @@ def fast_tokenizer(transformers, tok, seq_len):
     fast.add_special_tokens([AddedToken(eot, special=True, normalized=False)])
     if fast.token_to_id(eot) != tok.eot_token:
         raise ValueError(f"end-of-text got id {fast.token_to_id(eot)}, not {tok.eot_token}")
+    # With special tokens (transformers' default; lm-eval's hf model with add_bos_token=True), end-of-text
+    # first: in training every document follows one, and experiments.evaluate conditions on it.
+    fast.post_processor = processors.TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A {eot} $B",
+                                                        special_tokens=[(eot, tok.eot_token)])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, bos_token=eot, eos_token=eot,
                                                 split_special_tokens=True, model_max_length=seq_len)
 
@@ -173,19 +176,35 @@ def export_tokenizer(transformers, tok, hf_dir, seq_len):
 # ---------------------------------------------------------------------------- the command
 
 
+MANIFEST = "leviathan_export.json"  # written last: each file the export wrote, with its size and mtime
+
+
+def written_files(folder):
+    """{name: [size, mtime]} of the files in folder but the manifest and the lock."""
+    stats = {name: os.stat(os.path.join(folder, name)) for name in os.listdir(folder)}
+    return {name: [s.st_size, s.st_mtime_ns] for name, s in stats.items() if name not in (MANIFEST, ".lock")}
+
+
 def check_folder(hf_dir):
-    """An absent or empty folder, or an earlier export (its config.json has our entry)."""
+    """An absent or empty folder, or an earlier export of this tool whose files are still those it wrote (the
+    manifest's names, sizes and times): anything else there is someone's work, refused rather than replaced."""
+    if not hf_dir:
+        raise UserError("--hf_dir is empty: name the folder to write")
     if os.path.isfile(hf_dir):
         raise UserError(f"--hf_dir={hf_dir} is a file; give a folder")
-    if os.path.isdir(hf_dir) and os.listdir(hf_dir):
-        try:
-            with open(os.path.join(hf_dir, "config.json")) as f:
-                ours = MARK in json.load(f)
-        except (OSError, ValueError):
-            ours = False
-        if not ours:
-            raise UserError(f"--hf_dir={hf_dir} holds files that are not an export of this tool; "
-                            "choose an empty or new folder")
+    if not os.path.isdir(hf_dir) or not os.listdir(hf_dir):
+        return
+    try:
+        with open(os.path.join(hf_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"--hf_dir={hf_dir} holds files that are not an export of this tool (no {MANIFEST}); "
+                        "choose an empty or new folder") from None
+    found = written_files(hf_dir)
+    changed = sorted(name for name in found.keys() | manifest.keys() if found.get(name) != manifest.get(name))
+    if changed:
+        raise UserError(f"--hf_dir={hf_dir} holds files this tool did not write, or changed since "
+                        f"({changed[0]}): move them aside, or choose an empty or new folder")
 
 
 def export(args):
@@ -197,6 +216,29 @@ def export(args):
     check_folder(args.hf_dir)
     start = time.perf_counter()
     model, tok, step = load_model(args.out_dir)
+    # Written beside the target, then swapped in whole: a failed or cut export leaves the earlier one as it was
+    partial = f"{os.path.normpath(args.hf_dir)}.partial"
+    if os.path.isdir(partial) and os.listdir(partial) and not os.path.exists(os.path.join(partial, ".lock")):
+        raise UserError(f"{partial} holds files this tool did not write: move it aside to export to {args.hf_dir}")
+    os.makedirs(partial, exist_ok=True)
+    with hold_folder(partial, "--hf_dir"):  # one export at a time to a folder
+        for name in os.listdir(partial):  # an export cut short: ours, by its name and lock
+            if name != ".lock":
+                os.remove(os.path.join(partial, name))
+        report = write_and_check(transformers, model, tok, step, partial, args.tokenizer)
+        with open(os.path.join(partial, MANIFEST), "w") as f:
+            json.dump(written_files(partial), f)
+        os.remove(os.path.join(partial, ".lock"))
+        if os.path.isdir(args.hf_dir):  # the earlier export, checked above: replaced whole
+            shutil.rmtree(f"{partial}.old", ignore_errors=True)
+            os.rename(args.hf_dir, f"{partial}.old")
+        os.rename(partial, args.hf_dir)
+        shutil.rmtree(f"{partial}.old", ignore_errors=True)
+    print(f"{args.hf_dir}: LlamaForCausalLM from {args.out_dir} {report}; {time.perf_counter() - start:.1f} s")
+
+
+def write_and_check(transformers, model, tok, step, hf_dir, with_tokenizer):
+    """Writes the export into hf_dir and checks it there; returns what it holds, for the closing line."""
     model.freeze_lev()
     cfg = model.cfg
     config = llama_config(transformers, cfg, tok, step)
@@ -204,26 +246,24 @@ def export(args):
     window = torch.tensor([([tok.eot_token] + tok.encode_ordinary(" ".join(SAMPLE_TEXTS)))[:min(cfg.seq_len, 64)]])
     with torch.no_grad():
         expected = model(window)
-    os.makedirs(args.hf_dir, exist_ok=True)
-    write_safetensors(os.path.join(args.hf_dir, "model.safetensors"), llama_weights(model))
+    write_safetensors(os.path.join(hf_dir, "model.safetensors"), llama_weights(model))
     del model  # before transformers loads its copy: one model in memory at a time
     gc.collect()
-    config.save_pretrained(args.hf_dir)
+    config.save_pretrained(hf_dir)
     padding = list(range(tok.n_vocab, cfg.vocab_size))  # never sampled (sample.py's n_valid)
     eot = tok.eot_token
     transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                                  **({"suppress_tokens": padding} if padding else {})).save_pretrained(args.hf_dir)
-    with_tokenizer = args.tokenizer and export_tokenizer(transformers, tok, args.hf_dir, cfg.seq_len)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
+                                  **({"suppress_tokens": padding} if padding else {})).save_pretrained(hf_dir)
+    with_tokenizer = with_tokenizer and export_tokenizer(transformers, tok, hf_dir, cfg.seq_len)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
         got = hf(window).logits
     difference, scale = (got - expected).abs().max().item(), max(1.0, expected.abs().max().item())
     if not difference <= TOLERANCE * scale:
-        raise UserError(f"{args.hf_dir}: transformers' logits differ from the model's by {difference:.3g} "
-                        f"(> {TOLERANCE * scale:.3g}); the folder is not a faithful export, do not use it")
-    print(f"{args.hf_dir}: LlamaForCausalLM from {args.out_dir} ({cfg.embedding} arm, step {step}), "
-          f"{'with' if with_tokenizer else 'without'} tokenizer; logits within {difference:.2g} of the model's; "
-          f"{time.perf_counter() - start:.1f} s")
+        raise UserError(f"transformers' logits differ from the model's by {difference:.3g} (> {TOLERANCE * scale:.3g}): "
+                        "not a faithful export, so the earlier one (if any) stays")
+    return (f"({cfg.embedding} arm, step {step}), {'with' if with_tokenizer else 'without'} tokenizer; "
+            f"logits within {difference:.2g} of the model's")
 
 
 def main(argv=None):

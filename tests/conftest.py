@@ -96,3 +96,15 @@ def logged_losses(out):
     return {r["step"]: (r["loss"], r["lr"]) for r in records if r["type"] == "train"}
 
 
+def write_choice_task(folder, docs):
+    """A multiple-choice lm-eval task over a local JSONL file: nothing is downloaded."""
+    folder.mkdir()
+    with open(folder / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in docs)
+    (folder / "local_choice.yaml").write_text(
+        "task: local_choice\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(folder / 'docs.jsonl'))}\n"
+        "output_type: multiple_choice\ntest_split: test\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return folder

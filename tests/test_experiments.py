@@ -24,7 +24,7 @@ import leviathan
 import prepare_data as prep
 import train
 from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
-                      exit_status, random_model, train_cli)
+                      exit_status, random_model, train_cli, write_choice_task)
 from experiments import acceptance, bench, compare, evaluate, runs, study
 from experiments.evaluate import LeviathanLM, scoring_windows
 from prepare_data import UserError, run_main, tokenizer_from_meta
@@ -267,20 +267,6 @@ def test_generation_requests_are_refused_by_name(eval_model):
         LeviathanLM(*eval_model).generate_until([Request("Once", {"until": ["\n"]})])
 
 
-def write_choice_task(folder, docs):
-    """A multiple-choice lm-eval task over a local JSONL file: nothing is downloaded."""
-    folder.mkdir()
-    with open(folder / "docs.jsonl", "w") as f:
-        f.writelines(json.dumps(doc) + "\n" for doc in docs)
-    (folder / "local_choice.yaml").write_text(
-        "task: local_choice\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(folder / 'docs.jsonl'))}\n"
-        "output_type: multiple_choice\ntest_split: test\n"
-        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    return folder
-
-
 @needs_lm_eval
 def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
     run_dir = save_run(tmp_path / "run", random_model("lev"))
@@ -452,6 +438,7 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
 @pytest.mark.parametrize("args, phrase", [
     (["--size=7b"], "--size=7b: choose one of tiny, 200m, 400m, 1.2b"),
     (["--size=tiny", "--", "--embedding=lev"], "sets --size, --embedding, --out_dir and --resume"),
+    (["--size=tiny", "--", "--stop_step=2"], "trains every arm to its end and tables its final evaluation: leave out --stop_step"),
     (["--size=tiny", "--gpus=-1"], "--gpus=-1: this machine has"),
     (["--size=tiny", f"--gpus={torch.cuda.device_count() + 1}"], "GPU(s) (0: train on the CPU)"),
     (["--size=tiny", "--tasks=", f"--out_dir={Path(__file__)}/cmp"], "Not a directory: "),  # under a file
@@ -1113,14 +1100,48 @@ def test_compare_again_with_other_train_options_is_refused(tmp_path, monkeypatch
         calls.append(args.train_options)
         raise UserError("stopped")
     monkeypatch.setattr(compare, "train", stop_at_first_arm)
-    first = ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--total_tokens=1024"]
-    assert run_main(compare.compare, first) == 1 and calls == [["--total_tokens=1024"]]
+    first = ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--total_tokens=8192"]
+    assert run_main(compare.compare, first) == 1 and calls == [["--total_tokens=8192"]]
     capsys.readouterr()
-    for other in (["--total_tokens=2048"], [], ["--total_tokens=1024", "--lr=1e-3"]):
+    for other in (["--total_tokens=16384"], [], ["--total_tokens=8192", "--lr=1e-3"]):
         code = run_main(compare.compare, [*first[:-1], *other])
-        assert_one_error_line(code, capsys.readouterr().err, "--size=tiny -- --total_tokens=1024", "another --out_dir")
+        assert_one_error_line(code, capsys.readouterr().err, "--size=tiny -- --total_tokens=8192", "another --out_dir")
     assert len(calls) == 1
     assert run_main(compare.compare, first) == 1 and len(calls) == 2  # the same command goes on
+
+
+def test_a_refused_compare_writes_nothing_and_a_held_one_is_refused(tmp_path, monkeypatch, capsys):
+    """train.py options that train.py would refuse are refused before compare.json is written (which would
+    then refuse the corrected command); a second command on a comparison in progress is one line naming
+    its holder, before any arm is touched."""
+    out = tmp_path / "cmp"
+    monkeypatch.setattr(compare, "train", lambda args, arm: pytest.fail("trained"))
+    code = run_main(compare.compare, ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--lr=0"])
+    assert_one_error_line(code, capsys.readouterr().err, "--lr=0.0: must be > 0")
+    assert not out.exists()
+    out.mkdir()
+    holder = prep.hold_folder(str(out))  # a running compare's hold
+    try:
+        code = run_main(compare.compare, ["--size=tiny", "--tasks=", f"--out_dir={out}"])
+        assert_one_error_line(code, capsys.readouterr().err, f"{out} is in use by process {os.getpid()}")
+    finally:
+        holder.close()
+
+
+def test_compare_evaluates_again_a_downstream_result_of_an_earlier_checkpoint(tmp_path, monkeypatch):
+    """An arm's downstream.json may hold a task evaluated at an earlier step (evaluate.py run by hand
+    mid-training): it is no result of the finished arm, so it is evaluated again, not tabled."""
+    run_dir = tmp_path / "cmp" / "lev"
+    run_dir.mkdir(parents=True)
+    (run_dir / "log.jsonl").write_text(json.dumps({"type": "eval", "step": 8, "tokens_seen": 4096}) + "\n")
+    prep.write_json(str(run_dir / "downstream.json"), {task: {"step": step, "limit": None, "samples": 1,
+                                                             "metrics": {"acc": [0.5, 0.1]}}
+                                                      for task, step in (("old", 4), ("new", 8))})
+    asked = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda args: asked.append(args.tasks))
+    args = compare.parse_args(["--size=tiny", f"--out_dir={tmp_path / 'cmp'}"])
+    compare.evaluate_downstream(args, "lev", ["old", "new"])
+    assert asked == ["old"]
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_afresh(train_data, tmp_path, capsys):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HERE, SCRIPT_ENV, assert_one_error_line, train_cli
-from experiments import export
+from conftest import HERE, SCRIPT_ENV, assert_one_error_line, train_cli, write_choice_task
+from experiments import evaluate, export
 from leviathan import EMBEDDINGS, generate_text
 from prepare_data import read_shard, shard_paths
 from sample import load_model
@@ -88,6 +88,8 @@ def test_exported_tokenizer_encodes_as_ours(exported, train_data):
         assert ids == tok.encode_ordinary(text), text
         assert fast.decode(ids) == text
     assert fast.eos_token_id == tok.eot_token
+    # with special tokens (lm-eval's hf model with add_bos_token=True): end-of-text first, as in training
+    assert fast(TEXTS[0])["input_ids"] == [tok.eot_token] + tok.encode_ordinary(TEXTS[0])
 
 
 def test_wrong_folder_and_missing_transformers_are_one_line(tmp_path, monkeypatch, capsys):
@@ -98,3 +100,61 @@ def test_wrong_folder_and_missing_transformers_are_one_line(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     assert export.main([f"--out_dir={tmp_path}", f"--hf_dir={tmp_path / 'hf'}"]) == 1
     assert_one_error_line(1, capsys.readouterr().err, export.INSTALL)
+
+
+def test_an_export_replaces_only_its_own_earlier_export_whole(exported, tmp_path, monkeypatch, capsys):
+    """A re-export swaps a new folder in whole: no tokenizer left from the earlier one (--no-tokenizer); one
+    that fails midway (a full disk) leaves the earlier export as it was, and the same command then completes;
+    a folder holding a file the export did not write, or a changed one, is refused and left as it is; an
+    empty --hf_dir is refused before any work."""
+    run, first, _ = exported
+    hf_dir = tmp_path / "hf"
+    assert export.main([f"--out_dir={run}", f"--hf_dir={hf_dir}"]) == 0
+    assert (hf_dir / "tokenizer.json").exists()
+    before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    def full_disk(path, tensors):  # half the file written, then no space left
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device", path)
+    with monkeypatch.context() as m:
+        m.setattr(export, "write_safetensors", full_disk)
+        assert export.main([f"--out_dir={run}", f"--hf_dir={hf_dir}", "--no-tokenizer"]) == 1
+    assert_one_error_line(1, capsys.readouterr().err, "No space left on device")
+    assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before  # the earlier export, whole
+    assert export.main([f"--out_dir={run}", f"--hf_dir={hf_dir}", "--no-tokenizer"]) == 0
+    assert not (hf_dir / "tokenizer.json").exists() and not (tmp_path / "hf.partial").exists()
+    capsys.readouterr()
+    for name, change in [("notes.txt", "mine"), ("model.safetensors", b"a model saved over it")]:
+        (hf_dir / name).write_bytes(change.encode() if isinstance(change, str) else change)
+        kept = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+        assert export.main([f"--out_dir={run}", f"--hf_dir={hf_dir}"]) == 1
+        assert_one_error_line(1, capsys.readouterr().err, "holds files this tool did not write", name)
+        assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == kept
+        (hf_dir / "notes.txt").unlink(missing_ok=True)
+    monkeypatch.setattr(export, "load_model", lambda *a: pytest.fail("loaded the model before refusing"))
+    assert export.main([f"--out_dir={run}", "--hf_dir="]) == 1
+    assert_one_error_line(1, capsys.readouterr().err, "--hf_dir is empty")
+
+
+def test_lm_evals_own_hf_model_on_the_export_gives_experiments_evaluates_figures(exported, train_data, tmp_path,
+                                                                                  monkeypatch):
+    """A user's lm-eval run on the export, `--model hf --model_args pretrained=DIR,add_bos_token=True`,
+    conditions each context on end-of-text as experiments.evaluate does: the same accuracy on a local
+    multiple-choice task of the corpus's own text (without add_bos_token it differs)."""
+    lm_eval = pytest.importorskip("lm_eval", reason=f"needs lm-eval: {evaluate.INSTALL}")
+    run, hf_dir, _ = exported
+    _, tok, _ = load_model(run)
+    words = tok.decode(val_windows(train_data, 1, 4000)[0].tolist()).split()
+    assert len(words) > 30 * 20 + 21
+    docs = [{"question": " ".join(words[i:i + 12]), "choices": [" ".join(words[i + 12 + 3 * k:i + 15 + 3 * k])
+                                                               for k in range(3)], "label": 0}
+            for i in range(0, 30 * 20, 20)]
+    task = write_choice_task(tmp_path / "tasks", docs)
+    for name, value in dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path)).items():
+        monkeypatch.setenv(name, value)
+    assert evaluate.main([f"--out_dir={run}", "--tasks=local_choice", f"--include_path={task}"]) == 0
+    ours = json.loads((run / "downstream.json").read_text())["local_choice"]["metrics"]["acc"][0]
+    manager = pytest.importorskip("lm_eval.tasks").TaskManager(include_path=str(task))
+    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},add_bos_token=True,dtype=float32",
+                                     tasks=["local_choice"], task_manager=manager, device="cpu")
+    assert theirs["results"]["local_choice"]["acc,none"] == ours

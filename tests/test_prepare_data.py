@@ -233,6 +233,7 @@ def _bad_inputs(tmp):
     # give the first frame's documents and end there, silently.
     _write_zst(tmp / "cut2.jsonl.zst", [f"document {i}" for i in range(20)], frames=2)
     (tmp / "cut2.jsonl.zst").write_bytes((tmp / "cut2.jsonl.zst").read_bytes()[:-20])
+    (tmp / "garbage.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 8)  # zstd's magic, then not
     good = tmp / "good.jsonl"
     good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
     return [
@@ -242,6 +243,8 @@ def _bad_inputs(tmp):
         ([f"--dataset={tmp / 'notext.jsonl'}"], "notext.jsonl: not a JSON record"),
         ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
         ([f"--dataset={tmp / 'cut2.jsonl.zst'}"], "truncated"),
+        ([f"--dataset={tmp / 'garbage.jsonl.zst'}"], "garbage.jsonl.zst: not valid zstd"),
+        ([f"--dataset={good}", "--max_tokens=0"], "--max_tokens=0: each at least 1"),
         ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
         ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
     ]
@@ -251,19 +254,23 @@ def test_bad_inputs_give_one_clear_error_line(tmp_path):
     for args, words in _bad_inputs(tmp_path):
         r = run_script("prepare_data.py", *args, f"--out_dir={tmp_path / 'out'}")
         assert_one_error_line(r.returncode, r.stderr, words)
+    r = run_script("prepare_data.py", "--dataset=demo", "--max_tokens=0", f"--out_dir={tmp_path / 'zero'}")
+    assert_one_error_line(r.returncode, r.stderr, "--max_tokens=0")
+    assert not (tmp_path / "zero").exists()  # refused before the val split is written: the fixed command runs
     r = run_script("prepare_data.py", "--dataset=demo", "--frobnicate", f"--out_dir={tmp_path / 'out'}")
     assert_usage_error(r.returncode, r.stderr, "prepare_data.py", "unrecognized arguments: --frobnicate")
 
 
 def test_validation_files_that_are_also_trained_on_are_refused(tmp_path):
-    """--val naming --dataset's file, or one of its folder's or glob's, would validate on training text; a --val
-    that names nothing is its own error, without --dataset's hint."""
+    """--val naming --dataset's file, or one of its folder's or glob's, or a byte-for-byte copy of one, would
+    validate on training text; a --val that names nothing is its own error, without --dataset's hint."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for name in ("a.jsonl", "b.jsonl"):
-        (corpus / name).write_text('{"text": "fine"}\n{"text": "also fine"}\n')
+        (corpus / name).write_text(f'{{"text": "fine {name}"}}\n{{"text": "also fine"}}\n')
+    (tmp_path / "copy.jsonl").write_bytes((corpus / "a.jsonl").read_bytes())
     for dataset, val in [(corpus / "a.jsonl", corpus / "a.jsonl"), (corpus, corpus / "b.jsonl"),
-                         (f"{corpus}/*.jsonl", f"{corpus}/../corpus/a.jsonl")]:
+                         (f"{corpus}/*.jsonl", f"{corpus}/../corpus/a.jsonl"), (corpus, tmp_path / "copy.jsonl")]:
         r = run_script("prepare_data.py", f"--dataset={dataset}", f"--val={val}", f"--out_dir={tmp_path / 'out'}")
         assert_one_error_line(r.returncode, r.stderr, "--val and --dataset share 1 file(s)")
     r = run_script("prepare_data.py", f"--dataset={corpus}", f"--val={tmp_path / 'nowhere.jsonl'}",
@@ -339,11 +346,11 @@ def test_token_byte_lengths_count_utf8_bytes():
 
 @pytest.mark.parametrize("arg, phrase", [
     ("--shard_tokens=0", "--shard_tokens"), ("--shard_tokens=2_147_483_648", "--shard_tokens"),
-    ("--val_fraction=0.9", "--val_fraction"), ("--val_tokens=0", "the val split is empty"),
-    ("--max_tokens=0", "the train split is empty"), ("--out_dir={file}/data", "{file}/data")])
+    ("--val_fraction=0.9", "--val_fraction"), ("--val_tokens=0", "--val_tokens=0"),
+    ("--max_tokens=0", "--max_tokens=0"), ("--out_dir={file}/data", "{file}/data")])
 def test_prepare_options_out_of_range_are_one_error_line(tmp_path, capsys, arg, phrase):
-    """--shard_tokens and --val_fraction are checked before the run, as they would fail late or never;
-    the others, unchecked, fail at once."""
+    """--shard_tokens, --val_fraction and the budgets are checked before the run, as they would fail late, never,
+    or after a split is written; the others, unchecked, fail at once."""
     (tmp_path / "file").write_text("")
     arg, phrase = (s.format(file=tmp_path / "file") for s in (arg, phrase))
     code = prep.main(["--dataset=demo", f"--out_dir={tmp_path / 'out'}", arg])
@@ -451,3 +458,14 @@ def test_shard_slices_and_per_id_arrays_refuse_what_they_would_read_wrongly(tmp_
     np.save(folder / "counts.npy", np.arange(10, dtype=np.float64))
     with pytest.raises(UserError, match="counts.npy is missing or not one integer per id"):
         prep.open_prepared(folder)
+
+
+def test_a_held_folder_is_refused_to_another_holder_until_let_go(tmp_path):
+    """hold_folder: a second hold on a folder (here by the same process, as a second process would be) is
+    refused in one line naming the folder and the holder; once the first lets go, the next hold succeeds."""
+    first = prep.hold_folder(str(tmp_path), "--hf_dir")
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path} is in use by process {os.getpid()} on ")) as refused:
+        prep.hold_folder(str(tmp_path), "--hf_dir")
+    assert "pass another --hf_dir" in str(refused.value)
+    first.close()
+    prep.hold_folder(str(tmp_path)).close()

@@ -59,7 +59,7 @@ def test_cli_streams_the_sample_that_generate_gives(tmp_path):
     model = random_model("lev")
     folder = save_run(tmp_path / "run", model)
     r = run_script("sample.py", f"--out_dir={folder}", "--prompt=Once upon", "--num_samples=2",
-                   "--max_new_tokens=25", "--seed=5", "--temperature=1.0", "--top_k=0", "--stop_at_eot=false")
+                   "--max_new_tokens=25", "--seed=5", "--temperature=1.0", "--top_k=0", "--no-stop_at_eot")
     assert r.returncode == 0, r.stderr
     model_back, tok, _ = load_model(folder)
     model_back.freeze_lev()
@@ -75,7 +75,7 @@ def test_cli_streams_the_sample_that_generate_gives(tmp_path):
 
 def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
     """What main() hands to generate_text(): end-of-text for an empty prompt (or prompt file), a prompt
-    file's text without its final newline, the stop id unless --stop_at_eot=false, n_valid."""
+    file's text without its final newline, the stop id unless --no-stop_at_eot, n_valid."""
     folder = save_run(tmp_path / "run", random_model("untied"))
     (tmp_path / "prompt.txt").write_text("Once upon\n")
     (tmp_path / "empty.txt").write_text("\n")
@@ -87,7 +87,7 @@ def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sample, "generate_text", spy)
     assert sample.main([f"--out_dir={folder}", "--max_new_tokens=3"]) == 0
     assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'prompt.txt'}",
-                        "--stop_at_eot=false", "--max_new_tokens=3"]) == 0
+                        "--no-stop_at_eot", "--max_new_tokens=3"]) == 0
     assert sample.main([f"--out_dir={folder}", f"--prompt_file={tmp_path / 'empty.txt'}", "--max_new_tokens=3"]) == 0
     tok = tokenizer_from_meta(META)
     assert calls == [([EOT], EOT, N_VALID), (tok.encode_ordinary("Once upon"), None, N_VALID), ([EOT], EOT, N_VALID)]
@@ -139,7 +139,7 @@ def bad_inputs(tmp_path_factory):
         "no samples": ([good, "--num_samples=0"], "--num_samples must be at least 1"),
         "no new tokens": ([good, "--max_new_tokens=0"], "--max_new_tokens must be at least 1"),
         "unknown option": ([good, "--temprature=1"], "unrecognized arguments"),
-        "bad flag": ([good, "--stop_at_eot=maybe"], "true or false"),
+        "bad flag": ([good, "--stop_at_eot=maybe"], "ignored explicit argument 'maybe'"),
         "no out_dir": (["--prompt=hi"], "out_dir"),
         "unusable device": ([good, "--device=nodevice"], "device 'nodevice' is not usable"),
         "device not built": ([good, "--device=mps"], "device 'mps' is not usable here (this torch was not built"),
@@ -176,7 +176,7 @@ def test_output_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     no BrokenPipeError on stderr, as a Unix tool does."""
     folder = save_run(tmp_path / "run", random_model("lev"))
     command = [sys.executable, os.path.join(HERE, "sample.py"), f"--out_dir={folder}", "--num_samples=20",
-               "--max_new_tokens=200", "--stop_at_eot=false"]
+               "--max_new_tokens=200", "--no-stop_at_eot"]
     writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=SCRIPT_ENV, text=True)
     writer.stdout.read(10)
     writer.stdout.close()  # the reader stops, as head does after its lines

@@ -538,15 +538,35 @@ def test_training_finds_lev_distinct_ids_with_the_batch_not_in_the_model(train_d
 
 
 def test_missing_data_names_the_prepare_command(tmp_path, monkeypatch, capsys):
-    """Data missing: the commands that make each size's folder, and the option that makes another."""
+    """Data missing (but the demo corpus, which train.py prepares itself): the commands that make each
+    size's folder, and the option that makes another."""
     monkeypatch.chdir(tmp_path)  # where data/demo and data/pile do not exist
-    for args, folder in [(["--size=tiny"], "data/demo"), (["--size=200m"], "data/pile"),
+    for args, folder in [(["--size=200m"], "data/pile"),
                          ([f"--data_dir={tmp_path / 'nowhere'}"], str(tmp_path / "nowhere"))]:
         code = train.main([*args, f"--out_dir={tmp_path / 'o'}", "--device=cpu"])
         assert_one_error_line(code, capsys.readouterr().err, f"no prepared data in {folder}",
                               "`python prepare_data.py --dataset=demo` writes data/demo",
                               "`python prepare_data.py` data/pile", "--out_dir=DIR")
         assert not (tmp_path / "o").exists()
+
+
+def test_a_first_train_py_prepares_the_demo_corpus_itself(tmp_path):
+    """`python train.py` on a fresh machine: data/demo is missing, so it says so in one line and prepares it,
+    byte for byte as `prepare_data.py --dataset=demo` does, then trains; a second run finds it there."""
+    args = ["--size=tiny", "--d_model=32", "--n_layer=1", "--n_head=2", "--lev_seed_dim=16", "--lev_heads=2",
+            "--lev_rank=16", "--total_tokens=4096", "--device=cpu"]
+    r = run_script("train.py", *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("no prepared data in data/demo: preparing it, as `python prepare_data.py "
+                               "--dataset=demo` does\n") and "done: 1 steps" in r.stdout
+    assert prep.main(["--dataset=demo", f"--out_dir={tmp_path / 'by_hand'}"]) == 0
+    made = sorted(p.name for p in (tmp_path / "data" / "demo").iterdir())
+    assert made == sorted(p.name for p in (tmp_path / "by_hand").iterdir())
+    for name in made:
+        if name != "meta.json":  # which names the command, with its --out_dir
+            assert (tmp_path / "data" / "demo" / name).read_bytes() == (tmp_path / "by_hand" / name).read_bytes()
+    r = run_script("train.py", *args, "--out_dir=again", cwd=tmp_path)
+    assert r.returncode == 0 and "preparing" not in r.stdout, r.stdout + r.stderr
 
 
 # One out-of-range value for every train.py option ({missing} and {file}: filled in by the test).
@@ -575,7 +595,7 @@ def test_every_train_option_out_of_range_is_one_error_line(train_data, tmp_path,
                    name: f"--{name}={value}"}
         code = exit_status(train.main, list(options.values()))
         err = capsys.readouterr().err
-        if code == 2:  # argparse's: not a number, not true or false
+        if code == 2:  # argparse's: not a number, a value for a flag
             assert_usage_error(code, err, "train.py", f"--{name}")
         else:
             assert_one_error_line(code, err)
@@ -589,7 +609,7 @@ def test_bad_options_are_one_line_errors(train_data, tmp_path, capsys):
     for args, phrases in [(["--colour=red"], ["unrecognized arguments: --colour=red"]),
                           (["--lr=fast"], ["argument --lr: invalid float value: 'fast'"]),
                           (["--total_tokens=4.2e9"], ["argument --total_tokens: invalid int value: '4.2e9'"]),
-                          (["--resume=maybe"], ["argument --resume: expected true or false, got 'maybe'"])]:
+                          (["--resume=maybe"], ["argument --resume/--no-resume: ignored explicit argument 'maybe'"])]:
         code = exit_status(train.main, [f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *args])
         assert_usage_error(code, capsys.readouterr().err, "train.py", *phrases)
     r = run_script("train.py", f"--data_dir={train_data}", f"--out_dir={out}", "--colour=red")
@@ -826,6 +846,47 @@ def test_a_new_run_never_starts_over_another_runs_files(train_data, tmp_path, ca
         code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS])
         assert_one_error_line(code, capsys.readouterr().err, f"holds another run's {name}", "another --out_dir")
         assert os.listdir(out) == [name] and (out / name).read_text() == "{}\n"
+
+
+def test_a_run_killed_in_its_final_evaluation_evaluates_when_resumed(train_data, tmp_path):
+    """A run killed during its last evaluation has its last checkpoint but not that evaluation: --resume
+    trains no step and evaluates, so that the run is whole (and a compare tables a final evaluation)."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=2048", "--eval_interval=2")
+    final = out / "eval_step4.json"
+    expected = json.loads(final.read_text())
+    final.unlink()  # as a kill during the final evaluation leaves the run
+    log = (out / "log.jsonl").read_text().splitlines(keepends=True)
+    (out / "log.jsonl").write_text("".join(log[:-1]))
+    assert json.loads(log[-1])["type"] == "eval" and json.loads(log[-2])["step"] == 4
+    r = train_cli(train_data, out, "--total_tokens=2048", "--eval_interval=2", "--resume")
+    assert "eval step 4:" in r.stdout and "step 5" not in r.stdout
+    assert json.loads(final.read_text()) == expected
+    assert (out / "log.jsonl").read_text() == "".join(log)
+
+
+def test_a_run_folder_in_use_is_refused_and_let_go_at_any_death(train_data, tmp_path, capsys):
+    """One process per run folder: a second --resume of a run still training is one line naming the folder
+    and its holder, and writes nothing there; a kill -9 of the holder lets the folder go (the OS drops the
+    flock), and the same --resume then goes on from the last checkpoint."""
+    out = tmp_path / "run"
+    slow_steps = ["--batch_tokens=131072", "--total_tokens=1310720", "--ckpt_interval=1"]  # 512 micro-steps each
+    args = [f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, *slow_steps]
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=HERE, env=SCRIPT_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert any(line.startswith("checkpoint: step 1") for line in iter(proc.stdout.readline, ""))
+        log = (out / "log.jsonl").read_text()
+        code = train.main([*args, "--resume"])
+        assert_one_error_line(code, capsys.readouterr().err, f"{out} is in use by process {proc.pid} on ",
+                              "wait for it")
+        assert (out / "log.jsonl").read_text().startswith(log) and proc.poll() is None  # untouched, still training
+    finally:
+        proc.kill()
+        proc.wait()
+    step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+    assert train.main([*args, "--resume", f"--stop_step={step + 1}"]) == 0
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == step + 1
 
 
 def test_data_changed_under_a_run_is_refused(train_data, tmp_path, capsys):
