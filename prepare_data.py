@@ -40,8 +40,7 @@ def write_shard(path, tokens, vocab_size):
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 class Shard:
-    """A shard's tokens, read when sliced (shard[a:b], shard[:] for all), each id checked (a crash, or for LEV
-    a padding row trained); not a memory map, which holds its file open: 16 shards at most keep theirs."""
+    """A shard's tokens, read when sliced (shard[:] for all), each id checked; no memory map, kept open."""
     open_files = {}  # shard -> its open file, the most recently read at the end
     def __init__(self, filename, dtype, n, vocab_size):
         self.filename, self.dtype, self.n, self.vocab_size = filename, dtype, n, vocab_size
@@ -91,8 +90,7 @@ def load_meta(data_dir):
     return read_json(path, "delete it and run prepare_data.py again, with the same options")
 
 def open_prepared(data_dir):
-    """(meta, splits, counts, token_bytes), checked now: meta.json, each split's shards (as many as it lists:
-    one lost in a copy would train on less data), each id's count in the train split and its UTF-8 bytes."""
+    """(meta, splits, counts, token_bytes), checked now: the shards meta.json lists, one integer per id."""
     meta = load_meta(data_dir)
     splits = {}
     for split in ("train", "val"):

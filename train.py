@@ -79,8 +79,7 @@ SIZES = {  # each size: the options it sets over DEFAULTS
     "400m": dict(PAPER, d_model=1024, n_layer=15, n_head=8, total_tokens=8_400_000_000, lr=3e-4),
     "1.2b": dict(PAPER, d_model=2048, n_layer=16, n_head=16, total_tokens=24_100_000_000, lr=2e-4),
 }
-# (lr_input, lr_head) per size and arm, x lr (Model.configure_optimizers): the width sweep's best at D = 128,
-# its power laws above (experiments/study.md). Zero heads and the tied table want far more, LEV a tenth.
+# (lr_input, lr_head) x lr per size and arm: the width sweep's best at D = 128, its power laws above it
 LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 30.0)},
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
@@ -104,8 +103,24 @@ def parse_args(argv):
             parser.add_argument(f"--{name}", type=kind, **unless_given)
     return vars(parser.parse_args(argv))
 
-def check(c):
-    """Refuse a value that would fail late or quietly train something else (the shape: model_config)."""
+def resolve(given, saved=None):
+    """The config: the options given over the checkpoint's (resuming), else over the size's and DEFAULTS;
+    refused where a value would fail late or quietly train something else (the shape: model_config)."""
+    if saved is not None:
+        if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
+            raise UserError("the checkpoint comes from a different config: " + ", ".join(
+                f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
+        if unknown := ", ".join(k for k, v in saved.items() if k not in DEFAULTS and v):  # else lost silently
+            raise UserError(f"the checkpoint was trained with options this train.py lacks ({unknown}): "
+                            "resume it with the train.py that wrote it, or start anew in another --out_dir")
+        known = {k: v for k, v in saved.items() if k in DEFAULTS}
+        c = SimpleNamespace(**{**DEFAULTS, **known, **given})
+    else:
+        size = given.get("size", "tiny")
+        arm = given.get("embedding", "lev")
+        lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # unknown: refused below
+        c = SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input, "lr_head": lr_head,
+                               "out_dir": f"out/{size}-{arm}", **given})
     v = vars(c)
     choices = dict(size=SIZES, embedding=EMBEDDINGS, device=("auto", "cpu", "cuda"),
                    backend=("auto", "nccl", "gloo"))
@@ -114,6 +129,7 @@ def check(c):
     rules = [(k, v[k] in allowed, f"one of {', '.join(allowed)}") for k, allowed in choices.items()]
     rules += [(k, 0 < v[k] < math.inf, "> 0") for k in positive]
     rules += [(k, 0 <= v[k] < math.inf, ">= 0") for k in ("warmup_steps", "weight_decay", "stop_step")]
+    rules += [(k, v[k] != "", "a folder, not empty") for k in ("data_dir", "out_dir")]
     rules += [("seed", 0 <= c.seed < 2**63, "in [0, 2**63)"),
               ("total_tokens", c.total_tokens >= c.batch_tokens, "at least one step (--batch_tokens)"),
               ("lr_head", c.embedding != "tied" or c.lr_head == 1.0,
@@ -127,23 +143,6 @@ def check(c):
         if not good:
             raise UserError(f"--{name}={v[name]}: must be {rule}")
     return c
-
-def resolve(given, saved=None):
-    """The config: the options given over the checkpoint's (resuming), else over the size's and DEFAULTS."""
-    if saved is not None:
-        if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
-            raise UserError("the checkpoint comes from a different config: " + ", ".join(
-                f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        if unknown := ", ".join(k for k, v in saved.items() if k not in DEFAULTS and v):  # else lost silently
-            raise UserError(f"the checkpoint was trained with options this train.py lacks ({unknown}): "
-                            "resume it with the train.py that wrote it, or start anew in another --out_dir")
-        known = {k: v for k, v in saved.items() if k in DEFAULTS}
-        return check(SimpleNamespace(**{**DEFAULTS, **known, **given}))
-    size = given.get("size", "tiny")
-    arm = given.get("embedding", "lev")
-    lr_input, lr_head = LR_SCALES.get(size, {}).get(arm, (1.0, 1.0))  # an unknown size or arm: check() says
-    return check(SimpleNamespace(**{**DEFAULTS, **SIZES.get(size, {}), "lr_input": lr_input,
-                                    "lr_head": lr_head, "out_dir": f"out/{size}-{arm}", **given}))
 
 def model_config(config, n_ids):  # the model's Config, for a tokenizer of n_ids ids
     shape = {f.name: getattr(config, f.name) for f in fields(Config) if f.name != "vocab_size"}
@@ -184,8 +183,7 @@ def setup_device(config):
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if not 0 <= rank < world:  # RANK left over in a shell: a rank outside the world would never save
-        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}: left over from another launch? "
-                        "Unset it, or launch with torchrun (README)")
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}: stale? Unset it, or use torchrun")
     if config.deterministic:  # cuBLAS repeats its sums only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -227,9 +225,8 @@ def open_data(config):
     return meta, fingerprint, train, val, counts, byte_lengths
 
 class Windows:
-    """Windows of seq_len + 1 tokens every seq_len tokens of each shard (a token is a target once per pass).
-    Window p comes from a seeded shuffle per epoch, of the shards then of each shard's windows: little memory
-    for billions of tokens, the same window p for any world size; the data position is a count of windows."""
+    """Windows of seq_len + 1 tokens every seq_len tokens of each shard; window p from a seeded shuffle per
+    epoch, of the shards then of their windows: little memory, the same p (the data position) at any world."""
 
     def __init__(self, shards, seq_len, seed):
         self.shards, self.seq_len, self.seed = shards, seq_len, seed
