@@ -207,6 +207,9 @@ def join_ranks(config, device):
     if backend == "nccl" and node_ranks > torch.cuda.device_count():
         raise UserError(f"{node_ranks} ranks on this node but {torch.cuda.device_count()} GPU(s): NCCL needs "
                         "a GPU per rank; --backend=gloo lets ranks share a GPU")
+    if os.environ.get("RANK") == "0":  # torchrun's variables left in a shell would otherwise wait in silence
+        say(f"waiting for {os.environ['WORLD_SIZE']} ranks at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')}")
     # 20 min for a collective's slowest rank: a first compile, or rank 0's 1.2b save (2.5 min at 100 MB/s)
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=20),
                             device_id=device if backend == "nccl" else None)

@@ -127,7 +127,7 @@ def fast_tokenizer(transformers, tok, seq_len):
     lowest, leftmost first); ignore_merges, as tiktoken, takes a piece that is a token whole;
     the pre-tokenizer is its pat_str. End-of-text is a special token that text never produces
     (split_special_tokens): our encode treats a literal "<|endoftext|>" as plain text."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     ranks, byte_char = tok._mergeable_ranks, bytes_to_unicode()
     def chars(b):
@@ -147,10 +147,6 @@ def fast_tokenizer(transformers, tok, seq_len):
     fast.add_special_tokens([AddedToken(eot, special=True, normalized=False)])
     if fast.token_to_id(eot) != tok.eot_token:
         raise ValueError(f"end-of-text got id {fast.token_to_id(eot)}, not {tok.eot_token}")
-    # With special tokens (transformers' default; lm-eval's hf model with add_bos_token=True), end-of-text
-    # first: in training every document follows one, and experiments.evaluate conditions on it.
-    fast.post_processor = processors.TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A {eot} $B",
-                                                        special_tokens=[(eot, tok.eot_token)])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=fast, bos_token=eot, eos_token=eot,
                                                 split_special_tokens=True, model_max_length=seq_len)
 

@@ -88,8 +88,9 @@ def test_exported_tokenizer_encodes_as_ours(exported, train_data):
         assert ids == tok.encode_ordinary(text), text
         assert fast.decode(ids) == text
     assert fast.eos_token_id == tok.eot_token
-    # with special tokens (lm-eval's hf model with add_bos_token=True): end-of-text first, as in training
-    assert fast(TEXTS[0])["input_ids"] == [tok.eot_token] + tok.encode_ordinary(TEXTS[0])
+    # add_bos_token=True (lm-eval's hf model's argument): end-of-text first, as every document in training
+    with_eot = transformers.AutoTokenizer.from_pretrained(hf_dir, add_bos_token=True)
+    assert with_eot(TEXTS[0])["input_ids"] == [tok.eot_token] + tok.encode_ordinary(TEXTS[0])
 
 
 def test_wrong_folder_and_missing_transformers_are_one_line(tmp_path, monkeypatch, capsys):
@@ -102,6 +103,7 @@ def test_wrong_folder_and_missing_transformers_are_one_line(tmp_path, monkeypatc
     assert_one_error_line(1, capsys.readouterr().err, export.INSTALL)
 
 
+@pytest.mark.parametrize("exported", ["lev"], indirect=True)  # the same for every arm
 def test_an_export_replaces_only_its_own_earlier_export_whole(exported, tmp_path, monkeypatch, capsys):
     """A re-export swaps a new folder in whole: no tokenizer left from the earlier one (--no-tokenizer); one
     that fails midway (a full disk) leaves the earlier export as it was, and the same command then completes;
@@ -136,14 +138,16 @@ def test_an_export_replaces_only_its_own_earlier_export_whole(exported, tmp_path
     assert_one_error_line(1, capsys.readouterr().err, "--hf_dir is empty")
 
 
+@pytest.mark.parametrize("exported", ["lev"], indirect=True)  # the same for every arm
 def test_lm_evals_own_hf_model_on_the_export_gives_experiments_evaluates_figures(exported, train_data, tmp_path,
                                                                                   monkeypatch):
     """A user's lm-eval run on the export, `--model hf --model_args pretrained=DIR,add_bos_token=True`,
-    conditions each context on end-of-text as experiments.evaluate does: the same accuracy on a local
-    multiple-choice task of the corpus's own text (without add_bos_token it differs)."""
+    conditions each context on end-of-text as experiments.evaluate does: on a local multiple-choice task of
+    the corpus's own text, every choice's log-likelihood is ours (to float32 rounding), so every figure is."""
     lm_eval = pytest.importorskip("lm_eval", reason=f"needs lm-eval: {evaluate.INSTALL}")
     run, hf_dir, _ = exported
-    _, tok, _ = load_model(run)
+    model, tok, _ = load_model(run)
+    model.freeze_lev()
     words = tok.decode(val_windows(train_data, 1, 4000)[0].tolist()).split()
     assert len(words) > 30 * 20 + 21
     docs = [{"question": " ".join(words[i:i + 12]), "choices": [" ".join(words[i + 12 + 3 * k:i + 15 + 3 * k])
@@ -152,9 +156,13 @@ def test_lm_evals_own_hf_model_on_the_export_gives_experiments_evaluates_figures
     task = write_choice_task(tmp_path / "tasks", docs)
     for name, value in dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path)).items():
         monkeypatch.setenv(name, value)
-    assert evaluate.main([f"--out_dir={run}", "--tasks=local_choice", f"--include_path={task}"]) == 0
-    ours = json.loads((run / "downstream.json").read_text())["local_choice"]["metrics"]["acc"][0]
     manager = pytest.importorskip("lm_eval.tasks").TaskManager(include_path=str(task))
-    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},add_bos_token=True,dtype=float32",
-                                     tasks=["local_choice"], task_manager=manager, device="cpu")
-    assert theirs["results"]["local_choice"]["acc,none"] == ours
+
+    def choices_logprobs(lm, **kwargs):  # [[log p(choice | question)] per document], in document order
+        out = lm_eval.simple_evaluate(model=lm, tasks=["local_choice"], task_manager=manager, log_samples=True,
+                                      **kwargs)
+        samples = sorted(out["samples"]["local_choice"], key=lambda s: s["doc_id"])
+        return [[resp[0][0] for resp in s["resps"]] for s in samples]
+    ours = choices_logprobs(evaluate.LeviathanLM(model, tok, batch_size=8))
+    theirs = choices_logprobs("hf", model_args=f"pretrained={hf_dir},add_bos_token=True,dtype=float32", device="cpu")
+    assert np.allclose(theirs, ours, rtol=0, atol=1e-4), (theirs[:2], ours[:2])

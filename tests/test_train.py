@@ -7,6 +7,7 @@ import math
 import os
 import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -803,6 +804,21 @@ def test_ctrl_c_while_torch_is_imported_ends_without_a_traceback(command):
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert (proc.returncode, stderr) == (-signal.SIGINT, ""), stdout[-300:] + stderr
+
+
+def test_a_stale_torchrun_environment_says_what_it_waits_for(train_data, tmp_path):
+    """torchrun's variables left in a shell (RANK=0, WORLD_SIZE=2, MASTER_*): a plain `python train.py` waits
+    for the other rank, and says so in its first line instead of waiting in silence."""
+    stale = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29431")
+    proc = subprocess.Popen([sys.executable, "train.py", f"--data_dir={train_data}", f"--out_dir={tmp_path / 'o'}",
+                             *TRAIN_ARGS], cwd=HERE, env={**SCRIPT_ENV, **stale}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # else it would wait for its 20-min timeout
+        assert ready and proc.stdout.readline() == "waiting for 2 ranks at 127.0.0.1:29431\n"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_rank_outside_the_world_is_one_line(train_data, tmp_path, monkeypatch, capsys):
