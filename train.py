@@ -613,7 +613,7 @@ def main(argv):
             say(f"done: {run.step} steps; checkpoint {config.out_dir}/ckpt.pt")
         return shut_down(run, 0)
     except (UserError, OSError) as e:  # bad input, or the environment's (a path under a file, a full disk)
-        print(f"error: {e}", file=sys.stderr)  # by the rank that met it; torchrun stops the others, naming it
+        sys.stderr.write(f"error: {e}\n")  # by the rank that met it, in one write (ranks' lines stay whole)
         return shut_down(run, 1, together=False)
 
 if __name__ == "__main__":
