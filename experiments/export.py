@@ -221,7 +221,12 @@ def export(args):
         for name in os.listdir(partial):  # an export cut short: ours, by its name and lock
             if name != ".lock":
                 os.remove(os.path.join(partial, name))
-        report = write_and_check(transformers, model, tok, step, partial, args.tokenizer)
+        cfg = model.cfg
+        window, expected = write_model(transformers, model, tok, step, partial)
+        del model  # before transformers loads its copy: one model in memory at a time
+        gc.collect()
+        with_tokenizer, difference = check_export(transformers, tok, cfg.seq_len, partial, window, expected,
+                                                  args.tokenizer)
         with open(os.path.join(partial, MANIFEST), "w") as f:
             json.dump(written_files(partial), f)
         os.remove(os.path.join(partial, ".lock"))
@@ -230,27 +235,31 @@ def export(args):
             os.rename(args.hf_dir, f"{partial}.old")
         os.rename(partial, args.hf_dir)
         shutil.rmtree(f"{partial}.old", ignore_errors=True)
-    print(f"{args.hf_dir}: LlamaForCausalLM from {args.out_dir} {report}; {time.perf_counter() - start:.1f} s")
+    print(f"{args.hf_dir}: LlamaForCausalLM from {args.out_dir} ({cfg.embedding} arm, step {step}), "
+          f"{'with' if with_tokenizer else 'without'} tokenizer; logits within {difference:.2g} of the model's; "
+          f"{time.perf_counter() - start:.1f} s")
 
 
-def write_and_check(transformers, model, tok, step, hf_dir, with_tokenizer):
-    """Writes the export into hf_dir and checks it there; returns what it holds, for the closing line."""
+def write_model(transformers, model, tok, step, hf_dir):
+    """The weights, config.json and generation_config.json into hf_dir; returns a window of real ids (end-of-text,
+    then the sample text, as our model sees a document) and our logits on it, for the check."""
     model.freeze_lev()
     cfg = model.cfg
-    config = llama_config(transformers, cfg, tok, step)
-    # one window of real ids for the check: end-of-text then the sample text, as our model sees a document
     window = torch.tensor([([tok.eot_token] + tok.encode_ordinary(" ".join(SAMPLE_TEXTS)))[:min(cfg.seq_len, 64)]])
     with torch.no_grad():
         expected = model(window)
     write_safetensors(os.path.join(hf_dir, "model.safetensors"), llama_weights(model))
-    del model  # before transformers loads its copy: one model in memory at a time
-    gc.collect()
-    config.save_pretrained(hf_dir)
+    llama_config(transformers, cfg, tok, step).save_pretrained(hf_dir)
     padding = list(range(tok.n_vocab, cfg.vocab_size))  # never sampled (sample.py's n_valid)
     eot = tok.eot_token
     transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
                                   **({"suppress_tokens": padding} if padding else {})).save_pretrained(hf_dir)
-    with_tokenizer = with_tokenizer and export_tokenizer(transformers, tok, hf_dir, cfg.seq_len)
+    return window, expected
+
+
+def check_export(transformers, tok, seq_len, hf_dir, window, expected, with_tokenizer):
+    """The tokenizer written if exact; transformers' logits held to ours. Returns (with tokenizer, difference)."""
+    with_tokenizer = with_tokenizer and export_tokenizer(transformers, tok, hf_dir, seq_len)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
         got = hf(window).logits
@@ -258,8 +267,7 @@ def write_and_check(transformers, model, tok, step, hf_dir, with_tokenizer):
     if not difference <= TOLERANCE * scale:
         raise UserError(f"transformers' logits differ from the model's by {difference:.3g} (> {TOLERANCE * scale:.3g}): "
                         "not a faithful export, so the earlier one (if any) stays")
-    return (f"({cfg.embedding} arm, step {step}), {'with' if with_tokenizer else 'without'} tokenizer; "
-            f"logits within {difference:.2g} of the model's")
+    return with_tokenizer, difference
 
 
 def main(argv=None):
