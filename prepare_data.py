@@ -417,6 +417,9 @@ def main(argv):
 class UserError(Exception):
     """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
 
+def print_error(message):  # one line in one write, whatever it says: ranks that meet it print whole lines
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+
 def run_main(command, argv=None, kept=""):
     """command(argv) as an exit status: a UserError or OSError one line (1), Ctrl-C one (130), `kept` said."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # the imports' seconds are over: Ctrl-C raises
@@ -431,7 +434,7 @@ def run_main(command, argv=None, kept=""):
         return 0
     except (UserError, OSError) as e:  # OSError: the environment, not the input (a full disk, no permission)
         advice = f"; fix it and run again{kept}" if isinstance(e, OSError) else ""
-        print("error: " + " ".join(f"{e}{advice}".split()), file=sys.stderr)  # one line, whatever e says
+        print_error(f"{e}{advice}")
         return 1
 
 def atomic_write(path, write, mode="wb"):

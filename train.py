@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
-from prepare_data import UserError, atomic_write, hold_folder, open_prepared, prepare, write_json
+from prepare_data import UserError, atomic_write, hold_folder, open_prepared, prepare, print_error, write_json
 
 # ---------------------------------------------------------------------------- the options and the sizes
 OPTIONS = dict(  # name=(tiny's default, what it does); each size in SIZES sets its own values over these
@@ -613,7 +613,7 @@ def main(argv):
             say(f"done: {run.step} steps; checkpoint {config.out_dir}/ckpt.pt")
         return shut_down(run, 0)
     except (UserError, OSError) as e:  # bad input, or the environment's (a path under a file, a full disk)
-        sys.stderr.write(f"error: {e}\n")  # by the rank that met it, in one write (ranks' lines stay whole)
+        print_error(e)  # by the rank that met it; torchrun stops the others, naming it
         return shut_down(run, 1, together=False)
 
 if __name__ == "__main__":

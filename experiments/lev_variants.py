@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import leviathan
 import train
-from prepare_data import UserError
+from prepare_data import UserError, print_error
 
 # Above this many floats of phi ([h, N, d_seed, r]) a call runs compiled (inductor fuses the basis
 # and the product's elementwise steps: ~4x faster on a CPU); a test-sized call runs eagerly,
@@ -112,5 +112,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_error(error)
         sys.exit(1)
