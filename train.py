@@ -84,7 +84,7 @@ LR_SCALES = {"tiny": {"lev": (0.1, 30.0), "tied": (30.0, 1.0), "untied": (1.0, 3
              "200m": {"lev": (0.1, 8.2), "tied": (13.0, 1.0), "untied": (1.0, 8.8)},
              "400m": {"lev": (0.1, 6.6), "tied": (12.0, 1.0), "untied": (1.0, 7.2)},
              "1.2b": {"lev": (0.1, 4.0), "tied": (10.0, 1.0), "untied": (1.0, 4.6)}}
-# On --resume these may change freely; every other option changes the loss curve and must match.
+# These may differ on --resume, and from rank to rank; every other option changes the loss curve.
 RESUME_FREE = {"data_dir", "out_dir", "micro_batch", "eval_interval", "eval_tokens", "log_interval",
                "ckpt_interval", "eval_only", "resume", "stop_step", "device", "compile", "bf16",
                "bf16_allreduce", "backend", "deterministic", "wandb_project"}
@@ -104,8 +104,7 @@ def parse_args(argv):
     return vars(parser.parse_args(argv))
 
 def resolve(given, saved=None):
-    """The config: the options given over the checkpoint's (resuming), else over the size's and DEFAULTS;
-    refused where a value would fail late or quietly train something else (the shape: model_config)."""
+    """The config: the options given over the checkpoint's (resuming) or the size's and DEFAULTS, checked."""
     if saved is not None:
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
@@ -163,8 +162,7 @@ def on_signal(signum, frame):
     if STOP["signal"] is not None and not again:
         return
     STOP["signal"] = signum
-    name = signal.Signals(signum).name
-    note = "\ninterrupted\n" if again else f"\n{name}: saving a checkpoint at the end of this step\n"
+    note = "\ninterrupted\n" if again else f"\n{signal.Signals(signum).name}: saving a checkpoint\n"
     with suppress(OSError):  # no terminal any more (SIGHUP) or no reader: the save matters, not the note
         os.write(sys.stdout.fileno(), note.encode())  # not print, which a signal amid a print would re-enter
     if again:
@@ -202,7 +200,6 @@ def join_ranks(config, device):
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    # Ranks past the GPU count share GPUs: gloo allows it (the acceptance run puts 2 on one), NCCL refuses it
     node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if backend == "nccl" and node_ranks > torch.cuda.device_count():
         raise UserError(f"{node_ranks} ranks on this node but {torch.cuda.device_count()} GPU(s): NCCL needs "
@@ -213,6 +210,18 @@ def join_ranks(config, device):
     # 20 min for a collective's slowest rank: a first compile, or rank 0's 1.2b save (2.5 min at 100 MB/s)
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=20),
                             device_id=device if backend == "nccl" else None)
+
+def agree(config, fingerprint, world):
+    """One collective before DDP's first: every rank's loss-changing options and data are rank 0's."""
+    ranks = [None] * world
+    try:
+        dist.all_gather_object(ranks, dict(vars(config), data=fingerprint))
+    except RuntimeError:  # gloo's lost connection: a rank gone (NCCL waits, for torchrun to stop it)
+        time.sleep(10)  # on its node, torchrun stops this rank meanwhile, and names the one that failed
+        raise UserError("another rank stopped in its set-up: its own error line says why") from None
+    for r, theirs in enumerate(ranks):  # a node given another --lr or data would otherwise train on, unseen
+        if differ := [k for k in theirs if k not in RESUME_FREE and theirs[k] != ranks[0][k]]:
+            raise UserError(f"rank {r} differs from rank 0 in {', '.join(differ)}: start every rank alike")
 
 def open_data(config):
     """(meta, fingerprint, train, val, counts, byte_lengths), as Run declares them; shards read as used."""
@@ -228,15 +237,13 @@ def open_data(config):
     return meta, fingerprint, train, val, counts, byte_lengths
 
 class Windows:
-    """Windows of seq_len + 1 tokens every seq_len tokens of each shard; window p from a seeded shuffle per
-    epoch, of the shards then of their windows: little memory, the same p (the data position) at any world."""
-
+    """Window p (the data position, the same at any world size): a seeded shuffle per epoch, of the shards
+    then of their windows of seq_len + 1 tokens every seq_len (little memory)."""
     def __init__(self, shards, seq_len, seed):
         self.shards, self.seq_len, self.seed = shards, seq_len, seed
         self.sizes = np.array([(len(s) - 1) // seq_len for s in shards])  # windows per shard
         self.total = int(self.sizes.sum())
         self.epoch = self.shard = None  # the shuffles in use; consecutive windows share them
-
     def __getitem__(self, p):
         epoch, q = divmod(p, self.total)  # window q of an epoch
         if self.epoch != epoch:  # the epoch's shard order, and where each shard's windows end in it
@@ -269,7 +276,7 @@ def run_files(out_dir):
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
     return sorted(n for n in names if re.fullmatch(r"ckpt\.pt|config\.json|log\.jsonl|eval_step\d+\.json", n))
 
-def load_checkpoint(path, keys=("model", "model_config", "data_meta")):
+def load_checkpoint(path, keys=("model", "optimizer", "model_config", "train_config", "data_meta", "step")):
     """A train.py checkpoint holding `keys`, memory-mapped on the CPU (only what is used is read)."""
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint {path} (not found): train first, or pass a train.py run's --out_dir")
@@ -307,36 +314,30 @@ def build(config, model_cfg, device, world, ckpt):
         raw_model.compile()
     if world == 1:
         return raw_model, raw_model, optimizer
-    # gradient_as_bucket_view: the gradients are DDP's buckets, not a second copy
     model = torch.nn.parallel.DistributedDataParallel(raw_model, device_ids=[device] if cuda else None,
-                                                      gradient_as_bucket_view=True)
+                                                      gradient_as_bucket_view=True)  # no second copy
     if config.bf16_allreduce:
         model.register_comm_hook(None, bf16_compress_hook)
     return raw_model, model, optimizer
 
 @dataclass(kw_only=True)
 class Run:
-    """What one process holds, in the order set_up makes it; the loop advances `step`."""
-    # what was asked
+    """What one process holds, in the order set_up makes it (what was asked, the data, the processes, the
+    model, the loop); the loop advances `step`."""
     config: SimpleNamespace  # the options, resolved: given, over the checkpoint's or the size's and DEFAULTS
-    model_config: Config  # the model's shape, its vocabulary the data's
-    # the data
     meta: dict  # the data folder's meta.json
     fingerprint: dict  # each shard's length and the crc32 of its start: a resume compares it
     train: Windows  # the training windows, by their place in the data order
     val: list  # the validation windows: the same at every evaluation
     counts: np.ndarray  # each id's count in the training split: the frequency table's buckets
     byte_lengths: np.ndarray  # each id's UTF-8 bytes: bits per byte
-    # the processes
     device: torch.device
     rank: int  # this process, of `world` (torchrun's RANK and WORLD_SIZE)
     world: int
-    # the model
-    raw_model: Model  # the module saved and optimised
+    raw_model: Model  # the module saved and optimised; its cfg, the shape (its vocabulary the data's)
     model: torch.nn.Module  # what the step runs: raw_model, or DDP's wrapper around it
     optimizer: torch.optim.Optimizer
     lev: bool  # LEV's distinct ids are found with each batch (to_batch)
-    # the loop
     step: int  # optimizer steps done
     max_steps: int
     accum: int  # micro-steps per step on this rank
@@ -346,7 +347,7 @@ class Run:
 
 def open_outputs(run, params):
     """Rank 0's: its folder made (all else being right) and held, the run described, config.json, W&B."""
-    config, outputs = run.config, dict(train=vars(run.config), model=asdict(run.model_config))
+    config, outputs = run.config, dict(train=vars(run.config), model=asdict(run.raw_model.cfg))
     os.makedirs(config.out_dir, exist_ok=True)
     run.lock = hold_folder(config.out_dir)  # one process per run: two --resume of it would both train
     say(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
@@ -380,24 +381,26 @@ def set_up(argv):
         prepare(["--dataset=demo"])
     ckpt = None
     if loading:
-        needed = ("model", "optimizer", "model_config", "train_config", "data_meta", "step")
-        ckpt = load_checkpoint(path, needed)
+        ckpt = load_checkpoint(path)
         config = resolve(given, ckpt["train_config"])
     meta, fingerprint, train, val, counts, byte_lengths = open_data(config)
     model_cfg = model_config(config, meta["vocab_size"])
     if loading:
         check_fit(ckpt, path, config, meta, fingerprint)
+    if config.eval_only and ckpt["data"] != fingerprint:  # data the run never saw: its results apart
+        config.out_dir += "/eval-" + os.path.basename(os.path.abspath(config.data_dir))
     per_micro_step = world * config.micro_batch * config.seq_len
     if config.batch_tokens % per_micro_step:
         raise UserError(f"batch_tokens={config.batch_tokens:,} does not divide over world size {world} x "
                         f"micro_batch {config.micro_batch} x seq_len {config.seq_len} = {per_micro_step:,}")
+    if world > 1:  # before DDP's first collective, which would break on a rank gone, or train on what differs
+        agree(config, fingerprint, world)
     raw_model, model, optimizer = build(config, model_cfg, device, world, ckpt)
-    run = Run(config=config, model_config=model_cfg, meta=meta, fingerprint=fingerprint, train=train, val=val,
-              counts=counts, byte_lengths=byte_lengths, device=device, rank=rank, world=world,
-              raw_model=raw_model, model=model, optimizer=optimizer, lev=config.embedding == "lev",
-              step=ckpt["step"] if ckpt else 0, max_steps=config.total_tokens // config.batch_tokens,
-              accum=config.batch_tokens // per_micro_step,
-              wandb_id=(ckpt or {}).get("wandb_id") or uuid.uuid4().hex[:8])
+    run = Run(config=config, meta=meta, fingerprint=fingerprint, train=train, val=val, counts=counts,
+              byte_lengths=byte_lengths, device=device, rank=rank, world=world, raw_model=raw_model,
+              model=model, optimizer=optimizer, max_steps=config.total_tokens // config.batch_tokens,
+              lev=config.embedding == "lev", accum=config.batch_tokens // per_micro_step,
+              step=ckpt["step"] if ckpt else 0, wandb_id=(ckpt or {}).get("wandb_id") or uuid.uuid4().hex[:8])
     if rank == 0:
         open_outputs(run, raw_model.param_counts())
     return run
@@ -536,15 +539,12 @@ def evaluate(run):
     return result
 
 # ---------------------------------------------------------------------------- checkpoints
-# ckpt.pt holds all a resume needs, on any number of GPUs: the data position is step * batch_tokens // seq_len
-# windows, and no step draws a random number. The write is synchronous, the simplest that is safe (README).
+# ckpt.pt is all a resume needs at any world size: the data position follows from the step; no RNG state.
 def checkpoint(run):
     """Rank 0 writes ckpt.pt; a failed write (a full disk) is an error that keeps the previous one whole."""
-    if run.rank != 0:
-        return
     path, start = os.path.join(run.config.out_dir, "ckpt.pt"), time.time()
     state = dict(model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),  # tied table: once
-                 model_config=asdict(run.model_config), train_config=vars(run.config), data_meta=run.meta,
+                 model_config=asdict(run.raw_model.cfg), train_config=vars(run.config), data_meta=run.meta,
                  data=run.fingerprint, step=run.step, tokens_seen=run.step * run.config.batch_tokens,
                  wandb_id=run.wandb_id)
     try:
@@ -600,7 +600,7 @@ def main(argv):
                 log_step(run, loss, grad_norm, seconds, steps_timed)
                 seconds, steps_timed = 0.0, 0
             # The save before an evaluation: a kill during it (or its first compile) then loses no step
-            if run.step % config.ckpt_interval == 0 or last or stop:
+            if run.rank == 0 and (run.step % config.ckpt_interval == 0 or last or stop):
                 checkpoint(run)
             if (run.step % config.eval_interval == 0 or last) and not preempted:  # preempted: just save
                 evaluate(run)

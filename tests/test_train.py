@@ -287,7 +287,8 @@ def test_checkpoint_saved_on_another_device_resumes_exactly(train_data, tmp_path
 
 def test_a_set_up_error_on_one_rank_stops_every_rank(train_data, tmp_path):
     """Rank 1 cannot find its data after the process group is up (a folder missing on one node): it says why in
-    one line and exits; torchrun stops rank 0, which waits for it in DDP's first broadcast, and names rank 1."""
+    one line and exits; torchrun stops rank 0, which waits for it in the set-up's collective, and names rank 1
+    (on another node, rank 0 would say in one line that another rank stopped: the next test)."""
     rank_data = f'[ "$RANK" = 1 ] && echo {tmp_path / "missing"} || echo {train_data}'
     script = (f'exec {sys.executable} train.py --data_dir=$({rank_data}) --out_dir={tmp_path / "o"} '
               + " ".join(TRAIN_ARGS))
@@ -925,3 +926,53 @@ def test_data_changed_under_a_run_is_refused(train_data, tmp_path, capsys):
     (data / "meta.json").write_text(json.dumps(meta))
     code = train.main([f"--data_dir={data}", f"--out_dir={tmp_path / 'new'}", *TRAIN_ARGS])
     assert_one_error_line(code, capsys.readouterr().err, "train shards", "meta.json lists", "prepare the data again")
+
+
+def test_eval_only_on_other_data_is_written_apart_from_the_runs_own(train_data, tmp_path):
+    """--eval_only on a data folder the run did not train on (another validation set) writes into
+    <run>/eval-<folder>/ (its eval_step<N>.json and log); the run's own evaluation and log stay as they were."""
+    out, other = tmp_path / "run", tmp_path / "heldout"
+    train_cli(train_data, out, "--total_tokens=2048")
+    before = {name: (out / name).read_bytes() for name in ("eval_step4.json", "log.jsonl")}
+    shutil.copytree(train_data, other)
+    val = prep.shard_paths(other, "val")[0]
+    prep.write_shard(val, prep.read_shard(val)[:][::-1], 512)  # other validation text, the same tokenizer
+    r = train_cli(other, out, "--total_tokens=2048", "--eval_only")
+    apart = json.loads((out / "eval-heldout" / "eval_step4.json").read_text())
+    assert f"val loss {apart['val_loss']:.4f}" in r.stdout and "eval" in (out / "eval-heldout" / "log.jsonl").read_text()
+    assert apart["val_loss"] != json.loads(before["eval_step4.json"])["val_loss"]
+    assert {name: (out / name).read_bytes() for name in before} == before
+    train_cli(train_data, out, "--total_tokens=2048", "--eval_only")  # its own data: its own file, logged
+    assert (out / "log.jsonl").read_text().count('"type": "eval"') == 2
+
+
+def start_rank(rank, port, data_dir, out_dir, *args):
+    """train.py as rank `rank` of 2 on this machine, as a node of its own starts it (torchrun's variables)."""
+    env = dict(SCRIPT_ENV, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return subprocess.Popen([sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
+                             *TRAIN_ARGS, "--total_tokens=2048", *args], cwd=HERE, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("case", ["lr", "data", "set-up"])
+def test_ranks_that_disagree_or_fail_set_up_stop_every_rank_in_one_line(train_data, tmp_path, case):
+    """Two nodes' ranks: rank 1 started with another --lr, or another data folder, is named with the option
+    by every rank before any step (else both train on, exit 0); rank 1 failing its set-up (its data missing)
+    leaves rank 0 one line, not gloo's broken-connection traceback. Nothing is trained or saved."""
+    other = tmp_path / "other"
+    shutil.copytree(train_data, other)
+    shard = prep.shard_paths(other, "train")[0]
+    prep.write_shard(shard, prep.read_shard(shard)[:][::-1], 512)  # the same tokens, in another order
+    rank1 = {"lr": (train_data, "--lr=1e-3"), "data": (other,), "set-up": (tmp_path / "missing",)}[case]
+    port = 29500 + os.getpid() % 400
+    procs = [start_rank(0, port, train_data, tmp_path / "o"), start_rank(1, port, rank1[0], tmp_path / "o", *rank1[1:])]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in outputs]
+    assert [proc.returncode for proc in procs] == [1, 1] and all(len(e) == 1 for e in errors), outputs
+    assert not any("Traceback" in err for _, err in outputs), outputs
+    if case == "set-up":
+        assert errors[1][0].startswith("error: no prepared data") and errors[0] == ["error: another rank stopped in its set-up: its own error line says why"]
+    else:
+        assert errors[0] == errors[1] and f"rank 1 differs from rank 0 in {case}: start every rank alike" in errors[0][0], errors
+    assert not (tmp_path / "o" / "ckpt.pt").exists() and not (tmp_path / "o" / "log.jsonl").exists()
