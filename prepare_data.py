@@ -36,7 +36,6 @@ def write_shard(path, tokens, vocab_size):
         raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
     header, dtype = np.zeros(HEADER_INTS, dtype="<i4"), token_dtype(vocab_size)
     header[:5] = MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size
-    # Arrays are buffers: written as they are, not first copied into a bytes object.
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
 class Shard:
@@ -133,8 +132,7 @@ def seed_tiktoken_cache(name):
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken Encoding `name`; with vocab_size=N, its first N-1 merge ranks plus end-of-text as id N-1
-    (merges apply in rank order, so a prefix holding the 256 single bytes is itself a byte-level BPE)."""
+    """tiktoken's `name`; vocab_size=N: its first N-1 merges and end-of-text (merges apply in rank order)."""
     if name not in BUNDLED:  # any other would be downloaded: offline, a ConnectionError
         raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(BUNDLED)}")
     seed_tiktoken_cache(name)
@@ -329,8 +327,8 @@ def _parse_args(argv):
     return args
 
 def _sources(args):
-    """(name, description, {split: documents()}), a split's documents as (index in its source, text)."""
-    files, val = [], None  # --dataset's files, if it names some; the val split's own documents, if any
+    """(name, description, files read, {split: documents()}), a split's documents as (index in it, text)."""
+    files, val_files, val = [], [], None  # the files --dataset and --val name, if any; the val split's own
     if args.dataset == "pile":
         name, desc = "pile", f"hf://datasets/{HUB_REPO} (train/*.jsonl.zst, val.jsonl.zst)"
         docs, val = functools.partial(_hub_documents, "train"), functools.partial(_hub_documents, "val")
@@ -344,22 +342,22 @@ def _sources(args):
         name = os.path.basename(os.path.dirname(args.dataset)) if glob.has_magic(name) else name
         for suffix in SUFFIXES:
             name = name.removesuffix(suffix)
-    if args.val:  # an explicit validation set: all of it; every document of --dataset trains
+    if args.val:  # an explicit validation set, all of it; a file in both splits would test on trained text
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
-        # a file in both splits: the validation loss would be measured on text the model trains on, silently
         if shared := sorted(v for v in val_files for f in files if filecmp.cmp(v, f, shallow=False)):
             raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): give --val its "
                             "own files, or leave it out (then --val_fraction holds out part of --dataset)")
         val = functools.partial(file_documents, val_files)
     if val:
-        return name, desc, {"val": lambda: enumerate(val()), "train": lambda: enumerate(docs())}
+        return name, desc, files + val_files, dict(val=lambda: enumerate(val()),
+                                                   train=lambda: enumerate(docs()))
     every = max(1, round(1 / args.val_fraction))  # by index: deterministic, and no hashing cost
-    return name, f"{desc}; val: every {every}th document", {
-        "val": lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
-        "train": lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0)}
+    return name, f"{desc}; val: every {every}th document", files, dict(
+        val=lambda: ((i, text) for i, text in enumerate(docs()) if i % every == 0),
+        train=lambda: ((i, text) for i, text in enumerate(docs()) if i % every != 0))
 
 def _load_progress(out_dir, config):
-    """Where each split stopped, from progress.json; none for a new folder, and no resuming other settings."""
+    """Where each split stopped (progress.json); config, all that sets the bytes written, must be the same."""
     path = os.path.join(out_dir, "progress.json")
     if not os.path.exists(path):  # another command's shards would be overwritten
         if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
@@ -379,10 +377,9 @@ def _load_progress(out_dir, config):
 def prepare(argv):
     """prepare_data in-process, e.g. prepare(["--dataset=demo", "--out_dir=/tmp/demo"]); returns meta.json."""
     args = _parse_args(argv)
-    name, source, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
+    name, source, files, splits = _sources(args)  # bad paths fail here, before the slower tokenizer load
     tok = get_tokenizer(args.tokenizer, args.vocab_size or None)
     out_dir = args.out_dir or os.path.join("data", name)
-    # Everything that changes the bytes written; a rerun with other values must not resume.
     config = dict(source=source, tokenizer=args.tokenizer, vocab_size=args.vocab_size or None,
                   val_fraction=args.val_fraction, val_tokens=args.val_tokens, max_tokens=args.max_tokens,
                   shard_tokens=args.shard_tokens, format_version=VERSION)
@@ -390,6 +387,9 @@ def prepare(argv):
     progress = _load_progress(out_dir, config)
     todo = [split for split in SPLITS if not progress["splits"][split]["done"]]
     complete = not todo and os.path.exists(os.path.join(out_dir, "meta.json"))
+    stamp = {os.path.abspath(f): [os.path.getsize(f), os.path.getmtime(f)] for f in files}
+    if complete and load_meta(out_dir).get("inputs", stamp) != stamp:  # local files: no revision, but times
+        raise UserError(f"the files {out_dir} was made from changed since: delete it and prepare it again")
     for split in todo:
         print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),
@@ -403,7 +403,7 @@ def prepare(argv):
     meta = dict(tokenizer=args.tokenizer, tokenizer_vocab_size=config["vocab_size"], vocab_size=tok.n_vocab,
                 eot_id=tok.eot_token, dtype=token_dtype(tok.n_vocab).name, format_version=VERSION,
                 shard_tokens=args.shard_tokens, source=source, python_version=platform.python_version(),
-                splits=written, command=shlex.join(["python", "prepare_data.py", *argv]))
+                splits=written, command=shlex.join(["python", "prepare_data.py", *argv]), inputs=stamp)
     write_json(os.path.join(out_dir, "meta.json"), meta)  # last: its presence means "complete"
     return meta
 

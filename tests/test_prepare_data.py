@@ -315,6 +315,26 @@ def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
     assert tok.decode(_split_tokens(tmp_path / "out", "train")) == "".join(t + "<|endoftext|>" for t in texts)
 
 
+@pytest.mark.parametrize("changed", ["c.jsonl", "v.txt"])
+def test_inputs_regenerated_under_a_complete_folder_are_refused(tmp_path, changed):
+    """A local corpus has no pinned revision: the same command over a complete folder whose input files were
+    written again since (another size or modification time) is one line, the folder untouched, not "done"
+    over the old shards. Untouched files, the same command: done (the test above: repaired midway, resumed)."""
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(300)))
+    (tmp_path / "v.txt").write_text("held-out text")
+    args = [f"--dataset={tmp_path / 'c.jsonl'}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}",
+            "--vocab_size=2000", "--workers=1"]
+    assert run_script("prepare_data.py", *args).returncode == 0
+    assert run_script("prepare_data.py", *args).stdout.startswith("done: ")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    path = tmp_path / changed
+    path.write_bytes(path.read_bytes())  # the same bytes, written again: a regenerated corpus shows no more
+    os.utime(path, (1, 1))  # (an older copy put back, say: any other time differs too)
+    r = run_script("prepare_data.py", *args)
+    assert_one_error_line(r.returncode, r.stderr, "the files", "changed since", "prepare it again")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
 def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
     """No space left while a shard is written: one error line, the finished shards stay valid,
     and the partial one leaves no file behind, neither a shard nor its .tmp."""
