@@ -376,6 +376,8 @@ def load_runs(root=STUDY_DIR):
     for config_path in sorted(glob.glob(os.path.join(root, "*", "*", "config.json"))):
         out_dir = os.path.dirname(config_path)
         config = read_json(config_path, "delete the run folder to train it afresh")
+        if not (isinstance(config, dict) and isinstance(config.get("train"), dict)):
+            continue  # not a train.py run: an export's config.json, say
         speeds = [r["tokens_per_s"] for r in log_records(out_dir, "train")]
         runs.append((os.path.basename(os.path.dirname(out_dir)), config, final_eval(out_dir),
                      statistics.median(speeds) if speeds else None))

@@ -505,6 +505,8 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     (tied / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     for run in (lev, tied):  # copies a user made by hand: not the run's files, so skipped
         shutil.copy(run / "eval_step2.json", run / "eval_step2 (copy).json")
+    (tmp_path / "final" / "lev-hf").mkdir()  # not a run: an export (transformers' config.json), passed over
+    (tmp_path / "final" / "lev-hf" / "config.json").write_text('{"model_type": "llama"}')
     study.table(str(tmp_path))
     out = capsys.readouterr().out
     ev = json.load(open(lev / "eval_step2.json"))
