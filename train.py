@@ -109,9 +109,6 @@ def resolve(given, saved=None):
         if changed := sorted(k for k, v in given.items() if k not in RESUME_FREE and saved.get(k) != v):
             raise UserError("the checkpoint comes from a different config: " + ", ".join(
                 f"{k}={saved.get(k)} there, {given[k]} here" for k in changed) + "; use another --out_dir")
-        if unknown := ", ".join(k for k, v in saved.items() if k not in DEFAULTS and v):  # else lost silently
-            raise UserError(f"the checkpoint was trained with options this train.py lacks ({unknown}): "
-                            "resume it with the train.py that wrote it, or start anew in another --out_dir")
         known = {k: v for k, v in saved.items() if k in DEFAULTS}
         c = SimpleNamespace(**{**DEFAULTS, **known, **given})
     else:
@@ -288,6 +285,9 @@ def load_checkpoint(path, keys=("model", "optimizer", "model_config", "train_con
                         "a save cut short, or another file; train again") from None
     if missing:
         raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing)})")
+    if unknown := ", ".join(k for k, v in ckpt["train_config"].items() if k not in DEFAULTS and v):
+        raise UserError(f"{path} was trained with options this train.py lacks ({unknown}): read it with the "
+                        "command that trained it (a newer train.py, experiments.lev_variants), or train anew")
     return ckpt
 
 def check_fit(ckpt, path, config, meta, fingerprint):

@@ -99,13 +99,17 @@ OPTION = "--lev_variant="
 
 
 def main(argv):
-    """train.py's main(argv without --lev_variant=NAME), its models' LEV being the variant's."""
+    """train.py's main(argv), its models' LEV being the variant's. --lev_variant is an option of the run, as
+    train.py's own are: kept in its config.json and checkpoint, so that a resume must name the same variant,
+    and train.py, sample.py or an export, which build leviathan.py's LEV, refuse the checkpoint in one line."""
     given = [a for a in argv if a.startswith(OPTION)]
     names = [a.removeprefix(OPTION) for a in given]
     if len(names) != 1 or names[0] not in VARIANTS:
         raise UserError(f"expected one {OPTION}NAME with NAME among {', '.join(VARIANTS)}; got {' '.join(given) or 'none'}")
     leviathan.LEV = VARIANTS[names[0]]  # what leviathan.Model builds its input side from
-    return train.main([a for a in argv if not a.startswith(OPTION)])
+    train.OPTIONS["lev_variant"] = ("", f"LEV's variant: {' | '.join(VARIANTS)} (experiments.lev_variants)")
+    train.DEFAULTS["lev_variant"] = ""  # unset in a plain run: its checkpoint stays readable here
+    return train.main(argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import leviathan
 import prepare_data as prep
 import train
 from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
-                      exit_status, random_model, train_cli, write_choice_task)
+                      exit_status, random_model, run_script, train_cli, write_choice_task)
 from experiments import acceptance, bench, compare, evaluate, runs, study
 from experiments.evaluate import LeviathanLM, scoring_windows
 from prepare_data import UserError, run_main, tokenizer_from_meta
@@ -965,6 +965,8 @@ def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(tra
     knot scale is in both checkpoints, and moved in each part."""
     monkeypatch.chdir(HERE)  # the module runs from the repository root, as the study does
     monkeypatch.setattr(leviathan, "LEV", leviathan.LEV)  # main() replaces it: restored after the test
+    for name in ("OPTIONS", "DEFAULTS"):  # main() adds --lev_variant to train.py's: copies, gone after the test
+        monkeypatch.setattr(train, name, dict(getattr(train, name)))
     out = tmp_path / "run"
     options = [f"--data_dir={train_data}", *TRAIN_ARGS, "--embedding=lev", "--total_tokens=2048", "--eval_interval=2",
                "--lev_variant=knot-scale"]
@@ -978,6 +980,16 @@ def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(tra
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and " python -m experiments.lev_variants --data_dir=" in printed[0]
     assert printed[0].endswith(f"--out_dir={out} --resume")
+    assert json.loads((out / "config.json").read_text())["train"]["lev_variant"] == "knot-scale"
+    # the variant is the run's: train.py and sample.py (leviathan.py's LEV) refuse its checkpoint, and so does
+    # a resume under another variant
+    r = run_script("train.py", f"--out_dir={out}", "--eval_only")
+    assert_one_error_line(r.returncode, r.stderr, "options this train.py lacks (lev_variant)",
+                          "experiments.lev_variants")
+    r = run_script("sample.py", f"--out_dir={out}", "--max_new_tokens=4")
+    assert_one_error_line(r.returncode, r.stderr, "options this train.py lacks (lev_variant)")
+    r = run_module("lev_variants", *options[:-1], "--lev_variant=raw-basis", f"--out_dir={out}", "--eval_only")
+    assert "error: the checkpoint comes from a different config: lev_variant=knot-scale there, raw-basis here" in r.stderr
 
 
 def test_lev_variants_main_refuses_a_missing_or_unknown_variant():

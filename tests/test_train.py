@@ -719,13 +719,23 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, cap
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
-def test_a_checkpoint_with_an_option_this_train_py_lacks(train_data):
-    """An option a checkpoint's train.py had and this one lacks: set, it shaped the run, so the resume is one
-    error line naming it; left unset (false, 0 or empty), it changed nothing and the resume goes on."""
-    saved = dict(vars(train.resolve({"data_dir": str(train_data)})), retired_option="")
-    assert train.resolve({"resume": True}, saved).resume
-    with pytest.raises(UserError, match="options this train.py lacks \\(retired_option\\).*another --out_dir"):
-        train.resolve({"resume": True}, dict(saved, retired_option=4))
+def test_a_checkpoint_with_an_option_this_train_py_lacks(train_data, tmp_path, capsys):
+    """An option a checkpoint's train.py had and this one lacks (a newer train.py's, lev_variants.py's): set, it
+    shaped the run, so reading the checkpoint (a resume, --eval_only, sample.py) is one error line naming it;
+    left unset (false, 0 or empty), it changed nothing and the resume goes on."""
+    out = tmp_path / "run"
+    args = [f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=1024"]
+    assert train.main([*args, "--stop_step=1"]) == 0
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt["train_config"]["retired_option"] = 4
+    torch.save(ckpt, out / "ckpt.pt")
+    with pytest.raises(UserError, match="options this train.py lacks \\(retired_option\\): read it with"):
+        train.load_checkpoint(str(out / "ckpt.pt"))  # what sample.py and the export call
+    assert train.main([*args, "--resume"]) == 1
+    assert_one_error_line(1, capsys.readouterr().err, "lacks (retired_option)", "or train anew")
+    ckpt["train_config"]["retired_option"] = ""
+    torch.save(ckpt, out / "ckpt.pt")
+    assert train.main([*args, "--resume"]) == 0
 
 
 def readme_torchrun_options():
