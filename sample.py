@@ -18,7 +18,7 @@ def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step. For inference, call
     model.freeze_lev() once every other check has passed (slow for a large vocabulary on a CPU)."""
     path, other = os.path.join(out_dir, "ckpt.pt"), "was it written by another version of leviathan.py?"
-    ckpt = load_checkpoint(path, ("model", "model_config", "train_config", "data_meta"))
+    ckpt = load_checkpoint(path, ("model", "model_config", "data_meta"))
     try:  # Config checks model_config; tokenizer_from_meta rebuilds the tokenizer data_meta names
         cfg, tok = Config(**ckpt["model_config"]), tokenizer_from_meta(ckpt["data_meta"])
     except (TypeError, ValueError, KeyError, UserError) as e:

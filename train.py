@@ -285,7 +285,7 @@ def load_checkpoint(path, keys=("model", "optimizer", "model_config", "train_con
                         "a save cut short, or another file; train again") from None
     if missing:
         raise UserError(f"{path} is not a train.py checkpoint (it lacks {', '.join(missing)})")
-    if unknown := ", ".join(k for k, v in ckpt["train_config"].items() if k not in DEFAULTS and v):
+    if unknown := ", ".join(k for k, v in ckpt.get("train_config", {}).items() if k not in DEFAULTS and v):
         raise UserError(f"{path} was trained with options this train.py lacks ({unknown}): read it with the "
                         "command that trained it (a newer train.py, experiments.lev_variants), or train anew")
     return ckpt
