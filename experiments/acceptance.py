@@ -54,6 +54,8 @@ import threading
 import time
 import traceback
 from types import SimpleNamespace
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.acceptance")
 
 import numpy as np
 import torch

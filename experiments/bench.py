@@ -22,6 +22,8 @@ import sys
 import tempfile
 import threading
 import time
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.bench")
 
 import torch
 import torch.nn.functional as F

@@ -12,6 +12,8 @@ evaluated again, so the command can be repeated until the table is complete. The
 <out_dir>/table.md.
 """
 import argparse, json, os, shlex, sys
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.compare")
 
 import numpy as np
 import torch

@@ -24,6 +24,8 @@ How our model answers lm-eval (the LeviathanLM adapter below):
   softmax: the tokenizer cannot produce them, so they must not take probability mass.
 """
 import argparse, glob, logging, os, sys
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.evaluate")
 
 import torch
 

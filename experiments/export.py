@@ -23,6 +23,8 @@ tokenizer, that it gives our ids on sample texts. Otherwise: an error line (the 
 saying the tokenizer was left out.
 """
 import argparse, dataclasses, gc, json, os, shutil, struct, sys, time
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.export")
 
 import torch
 

@@ -17,6 +17,8 @@ initialisation are LEV's, so at a given seed a variant starts from the same valu
 leviathan.py's LEV. Resume works as for train.py: the knot scale is a parameter, in the checkpoint.
 """
 import sys
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.lev_variants")
 
 import torch
 import torch.nn as nn

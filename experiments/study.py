@@ -46,6 +46,8 @@ import statistics
 import subprocess
 import sys
 import time
+if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.study")
 
 import numpy as np
 

@@ -39,6 +39,16 @@ def run_module(tool, *args, env=None, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.parametrize("tool", ["acceptance", "bench", "compare", "evaluate", "export", "lev_variants", "study"])
+def test_a_tool_run_as_a_path_says_how_to_run_it(tool, tmp_path):
+    """python experiments/TOOL.py puts experiments/ first on the path, where prepare_data, train and the
+    experiments package cannot be imported: one line with the command that works, before any import fails."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "experiments", f"{tool}.py"), "--help"], cwd=tmp_path,
+                       env={k: v for k, v in SCRIPT_ENV.items() if k != "PYTHONPATH"}, capture_output=True, text=True,
+                       timeout=120)
+    assert_one_error_line(r.returncode, r.stderr, f"python -m experiments.{tool}", "repository's root")
+
+
 def save_run(folder, model):
     """A run folder holding only a checkpoint of model (step 42), as load_model reads it."""
     os.makedirs(folder, exist_ok=True)
