@@ -217,7 +217,8 @@ def agree(config, fingerprint, world):
         time.sleep(10)  # on its node, torchrun stops this rank meanwhile, and names the one that failed
         raise UserError("another rank stopped in its set-up: its own error line says why") from None
     for r, theirs in enumerate(ranks):  # a node given another --lr or data would otherwise train on, unseen
-        if differ := [k for k in theirs if k not in RESUME_FREE and theirs[k] != ranks[0][k]]:
+        differ = [k for k in theirs if k not in RESUME_FREE and theirs[k] != ranks[0][k]]
+        if differ:
             raise UserError(f"rank {r} differs from rank 0 in {', '.join(differ)}: start every rank alike")
 
 def open_data(config):
@@ -322,8 +323,7 @@ def build(config, model_cfg, device, world, ckpt):
 
 @dataclass(kw_only=True)
 class Run:
-    """What one process holds, in the order set_up makes it (what was asked, the data, the processes, the
-    model, the loop); the loop advances `step`."""
+    """What one process holds, in set_up's order: the config, the data, the processes, the model, the loop."""
     config: SimpleNamespace  # the options, resolved: given, over the checkpoint's or the size's and DEFAULTS
     meta: dict  # the data folder's meta.json
     fingerprint: dict  # each shard's length and the crc32 of its start: a resume compares it
