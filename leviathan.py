@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------- LEV: token id i -> E_i in R^D
+# -------------------------------------------------------------------- LEV: token id i -> E_i in R^D
 
 def lev_base(vocab_size, digits):
     """Smallest base b with b**k >= V, so every id has exactly k base-b digits.
@@ -52,10 +52,10 @@ class LEV(nn.Module):
     def __init__(self, vocab_size, d_model, digits=3, seed_dim=128, heads=8, knots=16, rank=64,
                  sigmoid_scale=0.5):
         super().__init__()
-        self.vocab_size, self.d_model = vocab_size, d_model
-        self.digits, self.knots, self.sigmoid_scale = digits, knots, sigmoid_scale
+        self.vocab_size, self.digits, self.knots = vocab_size, digits, knots
+        self.sigmoid_scale = sigmoid_scale
         self.base = lev_base(vocab_size, digits)
-        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C: k codebooks C_j
+        self.codebooks = nn.Parameter(torch.empty(digits, self.base, seed_dim))  # C_1..C_k
         self.seed_proj = nn.Parameter(torch.empty(heads, seed_dim, seed_dim))  # W_l, no bias
         self.norm_weight = nn.Parameter(torch.empty(heads, seed_dim))  # LayerNorm_l's weight
         self.norm_bias = nn.Parameter(torch.empty(heads, seed_dim))  # and bias
@@ -86,24 +86,25 @@ class LEV(nn.Module):
     def coordinates(self, ids):
         """Steps 1-3b, shared by both paths: ids [N] -> t [h, N, d_seed], every t_d in (0, 1)."""
         digits = to_digits(ids, self.base, self.digits)  # 1: [N, k]
-        # F.embedding, not C[j, digits]: indexing's backward adds the gradients of repeated
-        # digits in a varying order on a multi-threaded CPU (not bit-exact)
-        z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))  # 2: [N, d_seed]
+        # 2: z [N, d_seed]. F.embedding, not C[j, digits]: indexing's backward adds the gradients
+        # of repeated digits in a varying order on a multi-threaded CPU (not bit-exact)
+        z = sum(F.embedding(digits[:, j], self.codebooks[j]) for j in range(self.digits))
         u = torch.einsum("nd,hde->hne", z, self.seed_proj)  # 3a: W_l z, every head l at once
-        u = F.layer_norm(u, u.shape[-1:], eps=1e-5) * self.norm_weight[:, None] + self.norm_bias[:, None]
+        u = F.layer_norm(u, u.shape[-1:], eps=1e-5)
+        u = u * self.norm_weight[:, None] + self.norm_bias[:, None]  # LayerNorm_l's weight, bias
         # 3b. (R) t = sigmoid(u / 2), the 1/2 of the one reimplementation that cites the paper's
         # Sec. 3.1: with LayerNorm's weight at 1, +-1 sigma of u then spans ~3.7 of the 15 knot
         # intervals instead of ~6.9. sigmoid_scale=1 is the form without it.
         return torch.sigmoid(self.sigmoid_scale * u)
 
     def generate_reference(self, ids):
-        """E_i for a 1-D tensor of ids, [N] -> [N, D], written straight from the equations, with all
-        of B and phi ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this
+        """E_i for a 1-D tensor of ids, [N] -> [N, D], straight from the equations, with all of B
+        and phi ([h, N, d_seed, kappa or r]) kept by autograd. Slow and memory-hungry: read this
         one. (R) M_l in log space: a plain product of d_seed factors can leave float32's range."""
         t = self.coordinates(ids)  # 1-3b: [h, N, d_seed]
         basis = bspline_basis(t, self.knots)  # 3c: [h, N, d_seed, kappa]
-        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d: phi_d = sum_m B_m(t_d) S_l[d, m]
-        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e, (R) M_l = sign * exp(sum log|phi|)
+        phi = torch.einsum("hndm,hdmr->hndr", basis, self.spline)  # 3d: sum_m B_m(t_d) S_l[d, m]
+        modes = phi.sign().prod(2) * phi.abs().log().sum(2).exp()  # 3e: sign * exp(sum log|phi|)
         return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4: E_i = sum_l W_out_l M_l
 
     def generate(self, ids):
@@ -127,11 +128,11 @@ class LEV(nn.Module):
 
     @torch.no_grad()
     def as_table(self, chunk=1024):
-        """LEV for the whole vocabulary, in chunks: at inference, an ordinary [V, D] lookup table."""
+        """LEV for the whole vocabulary, in chunks: at inference, an ordinary [V, D] table."""
         ids = torch.arange(self.vocab_size, device=self.out_proj.device)
         return torch.cat([self.generate(c) for c in ids.split(chunk)])
 
-# ---------------------------------------------------------------------------- configuration
+# ------------------------------------------------------------------------------------ configuration
 
 EMBEDDINGS = ("lev", "tied", "untied")  # Leviathan | the paper's baseline | the ablation it lacks
 
@@ -149,46 +150,42 @@ class Config:
     lev_heads: int = 8  # h
     lev_knots: int = 16  # kappa
     lev_rank: int = 64  # r
-    lev_sigmoid_scale: float = 0.5  # 3b: t = sigmoid(scale * LayerNorm_l(W_l z)); (R) 1/2 (LEV.coordinates)
+    lev_sigmoid_scale: float = 0.5  # 3b: t = sigmoid(scale * u); (R) 1/2, see LEV.coordinates
     def __post_init__(self):
         """Refuse shapes that would crash later or train something that is not the method."""
         def check(ok, name, rule):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)}: {rule}")
         if self.embedding not in EMBEDDINGS:
-            raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, got {self.embedding!r}")
-        # LayerNorm needs 2 coordinates of z; a quadratic B-spline spans 3 knots (else every id embeds alike)
-        for name, least in dict(vocab_size=2, d_model=2, n_layer=1, n_head=1, seq_len=1, lev_digits=1,
-                                lev_seed_dim=2, lev_heads=1, lev_knots=3, lev_rank=1).items():
+            raise ValueError(f"embedding must be one of {', '.join(EMBEDDINGS)}, "
+                             f"got {self.embedding!r}")
+        # LayerNorm needs 2 coordinates of z; a quadratic B-spline 3 knots, or every id embeds alike
+        for name, least in dict(vocab_size=2, d_model=2, n_layer=1, n_head=1, seq_len=1,
+                                lev_digits=1, lev_seed_dim=2, lev_heads=1, lev_knots=3,
+                                lev_rank=1).items():
             value = getattr(self, name)
             check(isinstance(value, int) and value >= least, name, f"must be an integer >= {least}")
-        # the rotary base is used in float32: past its range the tables would silently hold inf and nan
+        # the rotary base is used in float32: past its range the tables would hold inf and nan
         check(0 < self.rope_theta <= torch.finfo(torch.float32).max, "rope_theta",
               "must be > 0 and finite in float32")
         check(0 < self.lev_sigmoid_scale < math.inf, "lev_sigmoid_scale", "must be > 0 and finite")
-        check(self.d_model % (2 * self.n_head) == 0, "d_model", f"must split into n_head={self.n_head} "
-              "even-sized heads (rotary embeddings rotate pairs of dimensions)")
+        check(self.d_model % (2 * self.n_head) == 0, "d_model",
+              f"must split into n_head={self.n_head} even-sized heads (rotary embeddings rotate "
+              "pairs of dimensions)")
         V, k = self.vocab_size, self.lev_digits
-        base = lev_base(V, k)  # of k digits, the leading one is 0 for every id unless base^(k-1) < V
-        check(base ** (k - 1) < V, "lev_digits", f"{V:,} ids have fewer than {k} digits in base {base} "
-              "(the leading one would be 0 for every id)")
+        base = lev_base(V, k)  # the leading digit is 0 for every id unless base^(k-1) < V
+        check(base ** (k - 1) < V, "lev_digits", f"{V:,} ids have fewer than {k} digits in base "
+              f"{base} (the leading one would be 0 for every id)")
     @property
     def ffn_dim(self):
         """SwiGLU hidden size: 8/3 D (the parameters of a 4D GELU MLP), rounded up to 128."""
         return -(-8 * self.d_model // 3 // 128) * 128
 
 def padded_vocab(n_ids):
-    """The id count rounded up to a multiple of 128 (tensor cores); padding ids are never sampled."""
+    """n_ids rounded up to a multiple of 128 (tensor cores); padding ids are never sampled."""
     return -(-n_ids // 128) * 128
 
-# ----------------------------------------------------------------------- the backbone: LLaMA-style, no biases
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-    def forward(self, x):
-        return F.rms_norm(x, x.shape[-1:], self.weight, eps=1e-6)
+# ------------------------------------------------------------- the backbone: LLaMA-style, no biases
 
 def rotary_tables(seq_len, head_dim, theta):
     """cos/sin of the rotation angle pos * theta^(-2j/head_dim), each [seq_len, head_dim/2]."""
@@ -203,7 +200,7 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer: a new token costs one position, not a rerun."""
+    """Each layer's keys and values so far: a new token costs one position, not a rerun."""
     def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
         shape = (n_layer, batch, n_head, max_len, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
@@ -247,13 +244,20 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(cfg.d_model), Attention(cfg)
-        self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
+        self.attn_norm, self.attn = nn.RMSNorm(cfg.d_model, eps=1e-6), Attention(cfg)
+        self.mlp_norm, self.mlp = nn.RMSNorm(cfg.d_model, eps=1e-6), SwiGLU(cfg)
     def forward(self, x, cos, sin, cache=None, layer=0):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
 
-# --------------------------------------------------------------------- the model: embedding -> blocks -> head
+# ----------------------------------------------------------- the model: embedding -> blocks -> head
+
+def cross_entropy_reference(x, weight, targets, reduction="mean"):
+    """The loss as written: cross-entropy of the whole logits z = x W^T, [N, D] -> their mean, or
+    with reduction="none" each position's, [N]. Model.forward calls linear_cross_entropy (in the
+    appendix), which computes this chunk by chunk, never holding the [N, V] logits and their
+    gradient at once; the tests hold the two equal, in value and in dL/dx and dL/dW."""
+    return F.cross_entropy(F.linear(x, weight).float(), targets, reduction=reduction)
 
 class Model(nn.Module):
     def __init__(self, cfg):
@@ -264,7 +268,7 @@ class Model(nn.Module):
         else:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.embedding == "tied":
             self.head.weight = self.embed.weight  # one V x D matrix, used twice
@@ -290,21 +294,19 @@ class Model(nn.Module):
         if self.cfg.embedding != "tied":
             nn.init.zeros_(self.head.weight)
 
-    def embed_tokens(self, idx, distinct=None):
-        if self.frozen_table is not None:
-            return F.embedding(idx, self.frozen_table)
-        return self.lev(idx, distinct) if self.cfg.embedding == "lev" else self.embed(idx)
-
     def forward(self, idx, targets=None, cache=None, reduction="mean", distinct=None):
-        """idx [B, T] -> float32 logits [B, T, V] for every position; with targets, the cross-entropy
-        instead (the mean, or per token [B, T] with reduction="none"). distinct: distinct_ids(idx),
-        made by the caller (LEV only; see LEV.forward)."""
+        """idx [B, T] -> float32 logits [B, T, V] for every position; with targets, the
+        cross-entropy instead (the mean, or per token [B, T] with reduction="none"). distinct:
+        distinct_ids(idx), made by the caller (LEV only; see LEV.forward)."""
         start = cache.length if cache is not None else 0
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"{start + idx.shape[1]} positions exceed seq_len={self.cfg.seq_len}")
         cos = self.rope_cos[start:start + idx.shape[1]]
         sin = self.rope_sin[start:start + idx.shape[1]]
-        x = self.embed_tokens(idx, distinct)
+        if self.frozen_table is not None:  # LEV made once for every id (freeze_lev)
+            x = F.embedding(idx, self.frozen_table)
+        else:
+            x = self.lev(idx, distinct) if self.cfg.embedding == "lev" else self.embed(idx)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, layer)
         if cache is not None:
@@ -312,8 +314,9 @@ class Model(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.head(x).float()
-        # cross-entropy of the head's logits, chunked so that the [tokens, V] logits never exist: see the end
-        losses = linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), reduction)
+        # cross_entropy_reference's loss, chunked so that the [tokens, V] logits never exist
+        losses = linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(),
+                                      reduction=reduction)
         return losses.view(targets.shape) if reduction == "none" else losses
 
     def new_cache(self, batch):
@@ -322,7 +325,7 @@ class Model(nn.Module):
                        self.cfg.d_model // self.cfg.n_head, p.device, p.dtype)
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place (same state_dict keys): "What torch.compile sees", the appendix."""
+        """torch.compile in place (same state_dict keys); see "What torch.compile sees"."""
         if self.cfg.embedding == "lev":
             compile_lev(self.lev, **options)
         nn.Module.compile(self, dynamic=dynamic, **options)
@@ -344,8 +347,8 @@ class Model(nn.Module):
                 "total": count(embed) + backbone + head}
 
     def flops_per_token(self):
-        """Training FLOPs per token: 6 per backbone and head weight (LEV runs once per distinct id, a
-        lookup is free), plus attention's QK^T and AV, 12 n_layer D seq_len."""
+        """Training FLOPs per token: 6 per backbone and head weight (LEV runs once per distinct
+        id, a lookup is free), plus attention's QK^T and AV, 12 n_layer D seq_len."""
         counts = self.param_counts()
         matmul_params = counts["backbone"] + self.head.weight.numel()
         return 6 * matmul_params + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.seq_len
@@ -354,32 +357,35 @@ class Model(nn.Module):
                              lr_input=1.0, lr_head=1.0):
         """AdamW; the training loop multiplies each group's `lr_scale` into the scheduled rate.
         - backbone: matrices decayed, norm weights (scales) not; lr_scale 1.
-        - input side (LEV or the untied table): lr_scale lr_input, no decay. LEV's output is a product
-          of 128 factors near 1, so decay would shrink M_l exponentially; a rare token's table row
-          gets few gradients, and decay would erase it between them.
+        - input side (LEV or the untied table): lr_scale lr_input, no decay. LEV's output is a
+          product of 128 factors near 1, so decay would shrink M_l exponentially; a rare token's
+          table row gets few gradients, and decay would erase it between them.
         - untied head: lr_scale lr_head, decayed. It starts at zero and wants a higher rate.
         The tied table is both input and head: one group, decayed, lr_scale lr_input."""
         tied = self.cfg.embedding == "tied"
         backbone = [p for n, p in self.named_parameters() if n.startswith(("blocks.", "norm."))]
         input_side = list((self.embed if self.cfg.embedding != "lev" else self.lev).parameters())
         groups = [
-            {"params": [p for p in backbone if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
-            {"params": [p for p in backbone if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
-            {"params": input_side, "weight_decay": weight_decay if tied else 0.0, "lr_scale": lr_input},
+            dict(params=[p for p in backbone if p.dim() >= 2], weight_decay=weight_decay,
+                 lr_scale=1.0),
+            dict(params=[p for p in backbone if p.dim() < 2], weight_decay=0.0, lr_scale=1.0),
+            dict(params=input_side, weight_decay=weight_decay if tied else 0.0, lr_scale=lr_input),
         ]
         if not tied:
-            groups.append({"params": [self.head.weight], "weight_decay": weight_decay, "lr_scale": lr_head})
+            head = dict(params=[self.head.weight], weight_decay=weight_decay, lr_scale=lr_head)
+            groups.append(head)
         for group in groups:
             group["lr"] = lr * group["lr_scale"]
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
 def precision(device, bf16=None):
-    """The context the model trains and runs in: bf16 autocast on a GPU (LEV and the softmax stay float32
-    inside it), float32 on a CPU; bf16 overrides."""
-    on = torch.device(device).type == "cuda" if bf16 is None else bf16
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
+    """The context the model trains and runs in: bf16 autocast on a GPU (LEV and the softmax stay
+    float32 inside it), float32 on a CPU; bf16 overrides."""
+    device_type = torch.device(device).type
+    on = device_type == "cuda" if bf16 is None else bf16
+    return torch.autocast(device_type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
-# ---------------------------------------------------------------------------- generation
+# --------------------------------------------------------------------------------------- generation
 
 def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_valid=None):
     """One token id from last-position logits [V]. temperature 0 = greedy; top_k 0 and
@@ -390,15 +396,15 @@ def sample_next(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, n_v
         logits[n_valid:] = float("-inf")
     if temperature == 0:
         return int(logits.argmax())
-    # softmax(z / T) = softmax((z - max z) / T): shifted first where z / T overflows float32 (a tiny T),
-    # which would leave softmax inf - inf = nan
+    # softmax(z / T) = softmax((z - max z) / T): shifted first where z / T overflows float32 (a
+    # tiny T), which would leave softmax inf - inf = nan
     scaled = logits / temperature
     logits = scaled if scaled.max() < math.inf else (logits - logits.max()) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits[logits < kth] = float("-inf")
     if top_p < 1.0:
-        # Nucleus: the ids up to mass top_p and the one crossing it; the top one even if top_p rounds to 0
+        # Nucleus: the ids up to mass top_p and the one crossing it (the top one, even at top_p 0)
         probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
         outside = probs.cumsum(-1) - probs >= top_p
         outside[0] = False
@@ -410,11 +416,13 @@ def generate_text(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, t
     """Iterator over up to max_new_tokens new ids that continue prompt_ids (a list of ints,
     1 to seq_len of them). It ends early when stop_id is sampled (stop_id is not yielded)."""
     if not 1 <= len(prompt_ids) <= model.cfg.seq_len:
-        raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, got {len(prompt_ids)}")
-    return _generate_text(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p, generator,
-                          stop_id, n_valid)
+        raise ValueError(f"the prompt must be 1 to seq_len={model.cfg.seq_len} tokens, "
+                         f"got {len(prompt_ids)}")
+    return _generate_text(model, list(prompt_ids), max_new_tokens, temperature, top_k, top_p,
+                          generator, stop_id, n_valid)
 
-def _generate_text(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id, n_valid):
+def _generate_text(model, tokens, max_new_tokens, temperature, top_k, top_p, generator, stop_id,
+                   n_valid):
     device, seq_len = model.head.weight.device, model.cfg.seq_len
     # The model sees at most seq_len tokens, tokens[start:]; when one more would not fit, the window
     # jumps to the last seq_len // 2. Cached keys carry their rotary positions, so a window sliding
@@ -429,7 +437,8 @@ def _generate_text(model, tokens, max_new_tokens, temperature, top_k, top_p, gen
             cache, new = model.new_cache(1), tokens[start:]
         else:  # the cache holds tokens[start:-1]; feed only the last one
             new = tokens[-1:]
-        with torch.no_grad():  # around the forward only: grad mode must not leak to the caller between yields
+        # no_grad around the forward only: grad mode must not leak to the caller between yields
+        with torch.no_grad():
             logits = model(torch.tensor([new], device=device), cache=cache)[0, -1]
         next_id = sample_next(logits, temperature, top_k, top_p, generator, n_valid)
         if next_id == stop_id:
@@ -437,27 +446,26 @@ def _generate_text(model, tokens, max_new_tokens, temperature, top_k, top_p, gen
         tokens.append(next_id)
         yield next_id
 
-# ============================================================================
+# ==================================================================================================
 # Appendix: speed and memory only (skip on a first reading). Nothing below changes what the model
 # computes: the tests hold each fast form to its plain one above, in value and gradient.
 
-# ---------------------------------------------------------------------------- distinct ids
-
-def id_bucket(n):
-    """Rows LEV generates for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power of two (<= 25%
-    more), so the compiled generator meets 4 shapes per doubling of n, not a new one every batch,
-    and sums in the same block sizes whenever a size comes back. Extra rows get no gradient."""
-    step = 1 << max(0, (n - 1).bit_length() - 3)
-    return -(-n // step) * step
+# ------------------------------------------------------------------------------------- distinct ids
 
 def distinct_ids(ids):
-    """(rows, inverse): the distinct ids, sorted and padded to id_bucket() rows with id 0, and each
-    position's row. torch.unique's output size is known only once it has run (on a GPU the host
-    waits for the device there), so training calls this on the CPU, where the batch starts."""
+    """(rows, inverse): the distinct ids, sorted and padded with id 0, and each position's row.
+    torch.unique's output size is known only once it has run (on a GPU the host waits for the
+    device there), so training calls this on the CPU, where the batch starts."""
     unique, inverse = torch.unique(ids, return_inverse=True)
-    return F.pad(unique, (0, id_bucket(len(unique)) - len(unique))), inverse
+    # Rows for n distinct ids: n rounded up to 5, 6, 7 or 8 times a power of two (<= 25% more), so
+    # the compiled generator meets 4 shapes per doubling of n, not a new one every batch, and sums
+    # in the same block sizes whenever a size comes back. Extra rows get no gradient.
+    n = len(unique)
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    rows = -(-n // step) * step
+    return F.pad(unique, (0, rows - n)), inverse
 
-# ---------------------------------------------------------------------------- kernels compiled on their own
+# -------------------------------------------------------------------- kernels compiled on their own
 FUSE_MIN_FLOATS = 1 << 20  # floats of phi, or of a chunk's logits
 
 # Failures of compiling itself, by name (an older torch lacks some). What a compiled kernel raises
@@ -472,24 +480,25 @@ class Fused:
     compiler, an unsupported GPU), fn eagerly, with one warning line per `what` (LEV, the loss)."""
     warned = set()  # the `what`s that have printed their warning
     def __init__(self, fn, what):
-        # dynamic=True: hints from the first call (a resumed run's is not the original's) may split
-        # a long reduction in two kernels, another order of summation: off, so every process sums alike.
         self.fn, self.what = fn, what
-        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"split_reductions": False})
+        # split_reductions off: the first call's hints (others on a resume) may split a sum in two
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True,
+                                      options={"split_reductions": False})
     def __call__(self, *args):
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
             except COMPILE_FAILURES as error:
                 if self.what not in Fused.warned:
-                    cause = getattr(error, "inner_exception", error)  # what inductor raised, in any torch
+                    cause = getattr(error, "inner_exception", error)  # what inductor raised
                     reason = f"{type(cause).__name__}: {cause}".split("\n")[0]
-                    print(f"warning: {self.what} runs eagerly (slower); torch.compile failed: {reason}")
+                    print(f"warning: {self.what} runs eagerly (slower); torch.compile failed: "
+                          f"{reason}")
                     Fused.warned.add(self.what)
                 self.compiled = None
         return self.fn(*args)
 
-# ---------------------------------------------------------------------------- LEV's steps 3c-3e, fused
+# ------------------------------------------------------------------------- LEV's steps 3c-3e, fused
 # Written out, they keep a dense basis [h, N, d_seed, kappa] and phi [h, N, d_seed, r] for the
 # backward: ~1 GB for a few hundred ids at the paper's sizes. Here only the 3 non-zero B_m(t_d)
 # are made; phi_d mixes 3 rows of S (float32 multiply-adds, exact on any device) in registers, and
@@ -503,10 +512,11 @@ def bspline_nonzero(t, knots):
     position = t * (knots - 1)
     nearest = position.round()
     f = position - nearest
+    per_plane = (3,) + (1,) * t.dim()  # one value per plane, the same over t
     # the three planes' beta as constant + linear * f + square * f^2
-    constant, linear, square = [torch.tensor(plane, dtype=t.dtype, device=t.device).view(3, *[1] * t.dim())
-                                for plane in ([0.125, 0.75, 0.125], [-0.5, 0.0, 0.5], [0.5, -1.0, 0.5])]
-    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(3, *[1] * t.dim())
+    constant, linear, square = [torch.tensor(c, dtype=t.dtype, device=t.device).view(per_plane)
+                                for c in ([0.125, 0.75, 0.125], [-0.5, 0.0, 0.5], [0.5, -1.0, 0.5])]
+    neighbours = nearest + torch.arange(-1, 2, device=t.device).view(per_plane)
     inside = (neighbours >= 0) & (neighbours < knots)
     values = (constant + linear * f + square * f**2) * inside
     slopes = (linear + 2 * square * f) * inside * (knots - 1)
@@ -537,19 +547,16 @@ def group_products(index, values, spline, group):
 def product_gradients(index, values, slopes, spline, grad_times_modes):
     """The backward of M_l = prod_d phi_d for a chunk of coordinates, with G M = dL/dM * M:
     q_d = dL/dphi_d = G M / phi_d, dL/dt_d = <q_d, dphi_d/dt_d> (reduced over r as it is made), and
-    the dense basis B_m(t_d), [d, h, N, kappa], for dL/dS_l[d, m] = sum_n B_m(t_d) q_d (a matmul)."""
+    the dense basis B_m(t_d), [d, h, N, kappa]: dL/dS_l[d, m] = sum_n B_m(t_d) q_d, a matmul."""
     phi, phi_slope = mixed_rows(spline, index, values, slopes)
     q = grad_times_modes / phi
     knots = torch.arange(spline.shape[2], device=index.device)
     basis = sum(values[j, ..., None] * (index[j, ..., None] == knots) for j in range(3))
     return q, (q * phi_slope).sum(-1), basis
 
+# LEV's kernels, and the same Fused, for a call big enough (FUSE_MIN_FLOATS) to repay compiling
 KERNELS = bspline_nonzero, group_products, product_gradients
 FUSED_KERNELS = tuple(Fused(kernel, "LEV") for kernel in KERNELS)
-
-def kernels_for(t, spline):
-    """LEV's KERNELS for this call: fused where that repays compiling."""
-    return FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
 
 # Floats of phi per chunk of seed coordinates. CPU, 4 MB: the backward's q_d is still in cache
 # when the matmul reads it. GPU, 256 MB: each chunk costs kernel launches.
@@ -570,15 +577,16 @@ class SeparableProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, spline):
         seed_dim, heads, n = t.shape
-        group = max(g for g in range(1, 65) if seed_dim % g == 0)  # 64 mantissas: >= 2^-64, in range
+        group = max(g for g in range(1, 65) if seed_dim % g == 0)  # <= 64 mantissas: >= 2^-64
         mantissa = t.new_ones(heads, n, spline.shape[-1])
         exponent = torch.zeros(mantissa.shape, dtype=torch.int32, device=t.device)
-        bspline, products_of_groups, _ = kernels_for(t, spline)
+        ctx.kernels = FUSED_KERNELS if t.numel() * spline.shape[-1] >= FUSE_MIN_FLOATS else KERNELS
+        bspline, products, _ = ctx.kernels
         index, values, _ = bspline(t, spline.shape[2])
         for d in seed_chunks(t, spline.shape[-1], group):
-            mantissas, exponents = products_of_groups(index[:, d], values[:, d], spline[:, d], group)
+            mantissas, exponents = products(index[:, d], values[:, d], spline[:, d], group)
             for group_mantissa, group_exponent in zip(mantissas.unbind(0), exponents.unbind(0)):
-                # the running product's scale moves into the integer exponent: it never leaves float32's range
+                # the running product's scale moves into the integer exponent: never out of range
                 mantissa, scale = torch.frexp(mantissa * group_mantissa)
                 exponent = exponent + scale + group_exponent
         modes = torch.ldexp(mantissa, exponent)
@@ -589,7 +597,7 @@ class SeparableProduct(torch.autograd.Function):
         t, spline, modes = ctx.saved_tensors
         grad_t, grad_spline = torch.empty_like(t), torch.empty_like(spline)
         grad_times_modes = (grad_modes * modes).contiguous()  # dL/dM * M, the same for every d
-        bspline, _, gradients = kernels_for(t, spline)
+        bspline, _, gradients = ctx.kernels
         index, values, slopes = bspline(t, spline.shape[2])
         for d in seed_chunks(t, spline.shape[-1]):
             q, grad_t[d], basis = gradients(index[:, d], values[:, d], slopes[:, d], spline[:, d],
@@ -597,23 +605,18 @@ class SeparableProduct(torch.autograd.Function):
             grad_spline[:, d] = (basis.transpose(-1, -2) @ q).transpose(0, 1)
         return grad_t, grad_spline
 
-separable_modes = torch.compiler.disable(SeparableProduct.apply)  # never traced: "What torch.compile sees"
+separable_modes = torch.compiler.disable(SeparableProduct.apply)  # never traced: see the end
 
-# ---------------------------------------------------------------------------- the loss, chunked
+# -------------------------------------------------------------------------------- the loss, chunked
 # Whole, logits, log-softmax and gradient are three float32 [N, V]: ~20 GB for 8,192 tokens at
 # V = 200k. A chunk's logits give its loss and, at once, dL/dx = G W and dL/dW = G^T x with
 # G = (softmax - onehot) / N; backward only scales them by dLoss.
 
-LOSS_CHUNK_LOGITS = 1 << 28  # 1 GiB of float32 logits per chunk; fewer chunks, fewer passes over dL/dW
+LOSS_CHUNK_LOGITS = 1 << 28  # 1 GiB of float32 logits: fewer chunks, fewer passes over dL/dW
 
 def loss_chunks(n, vocab_size):
     step = max(1, LOSS_CHUNK_LOGITS // vocab_size)
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
-
-def head_dtype(x, weight):
-    """The head's matmul dtype: autocast's when on (bf16 on GPU), else the weight's; cast once."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 def softmax_gradient_(logits, targets, n):
     """The loss's elementwise work on one chunk, in place: the logits z [chunk, V] become
@@ -631,8 +634,9 @@ def softmax_gradient_(logits, targets, n):
     return loss
 
 def fused_softmax_gradient_(logits, targets, n):
-    """softmax_gradient_ for fused kernels, equal up to rounding: exp(z - lse) is made again where G
-    is written, so each logit is read three times (max, sum, G) and written once; eagerly, ~9 passes."""
+    """softmax_gradient_ for fused kernels, equal up to rounding: exp(z - lse) is made again where
+    G is written, so each logit is read three times (max, sum, G) and written once, not the ~9
+    passes of eager ops."""
     z = logits.float()
     top = z.amax(-1, keepdim=True)
     lse = top + (z - top).exp().sum(-1, keepdim=True).log()  # logsumexp(z), [chunk, 1]
@@ -643,20 +647,14 @@ def fused_softmax_gradient_(logits, targets, n):
 
 FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
 
-def softmax_step(logits, targets, n):
-    """softmax_gradient_, fused on a GPU (memory-bound there) for a chunk that repays compiling.
-    On a CPU exp is bound by arithmetic, and the fused form, which computes it twice, is slower."""
-    fused = logits.is_cuda and logits.numel() >= FUSE_MIN_FLOATS
-    return (FUSED_SOFTMAX if fused else softmax_gradient_)(logits, targets, n)
-
-# ---------------------------------------------------------------------------- the loss as one call
+# ----------------------------------------------------------------------------- the loss as one call
 # A custom operator, so torch.compile sees the loss as one opaque call: traced, its loop would be
 # unrolled, and inductor would keep a [V, D] partial of dL/dW alive per chunk (~0.8 GB at 1.2b).
 
 def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
                  with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, dL/dx, dL/dW as float32), the gradients empty unless with_grads. G is made over
-    each chunk's logits: a chunk holds one [chunk, V] in dtype (+ a float32 copy if that is bf16)."""
+    each chunk's logits: a chunk holds one [chunk, V] in dtype (+ a float32 copy for bf16)."""
     n = len(x)
     w = weight.to(dtype)
     total = torch.zeros((), device=x.device)
@@ -665,7 +663,10 @@ def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, d
     for c in loss_chunks(n, len(w)):
         x_c = x[c].to(w.dtype)
         g = F.linear(x_c, w)  # z = x W^T, [chunk, V]
-        total += softmax_step(g, targets[c], n)  # now G
+        # The softmax step, fused on a GPU (memory-bound there) for a chunk that repays compiling.
+        # On a CPU exp is bound by arithmetic, and the fused form, which makes it twice, is slower.
+        fused = g.is_cuda and g.numel() >= FUSE_MIN_FLOATS
+        total += (FUSED_SOFTMAX if fused else softmax_gradient_)(g, targets[c], n)  # now G
         if with_grads:
             grad_x[c].copy_(g @ w)
             if g.dtype == grad_w.dtype:
@@ -687,7 +688,7 @@ def _(x, weight, targets, dtype, with_grads):  # shapes and dtypes only, for the
 def save_gradients(ctx, inputs, output):
     ctx.weight_dtype = inputs[1].dtype
     ctx.save_for_backward(*output[1:])
-    ctx.set_materialize_grads(False)  # else backward gets a float32 [V, D] of zeros for the unused outputs
+    ctx.set_materialize_grads(False)  # else backward gets [V, D] zeros for the unused outputs
 
 def scale_gradients(ctx, grad_loss, *_):
     """Backward of chunked_cross_entropy: the gradients forward computed, times dLoss."""
@@ -697,19 +698,21 @@ def scale_gradients(ctx, grad_loss, *_):
 chunked_cross_entropy.register_autograd(scale_gradients, setup_context=save_gradients)
 
 def linear_cross_entropy(x, weight, targets, reduction="mean"):
-    """Cross-entropy of logits = x W^T, chunk by chunk over positions: their mean (the custom op, whose
-    gradients come with it), or with reduction="none" each position's, for evaluation: [N, D] -> [N]."""
+    """cross_entropy_reference, chunk by chunk over positions: the mean by the custom op, whose
+    gradients come with it; with reduction="none", [N], for evaluation under no_grad (autograd would
+    keep every chunk's logits), cross_entropy_reference on each chunk."""
+    device = x.device.type
+    # the head's matmul dtype: autocast's when on (bf16 on a GPU), else the weight's; cast once
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     if reduction == "none":
-        with torch.no_grad():
-            w = weight.to(head_dtype(x, weight))
-            losses = [F.cross_entropy(F.linear(x[c].to(w.dtype), w).float(), targets[c], reduction="none")
-                      for c in loss_chunks(len(x), len(w))]
-            return torch.cat(losses)
+        w = weight.to(dtype)
+        return torch.cat([cross_entropy_reference(x[c].to(dtype), w, targets[c], reduction="none")
+                          for c in loss_chunks(len(x), len(w))])
     with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return chunked_cross_entropy(x, weight, targets, head_dtype(x, weight), with_grads)[0]
+    return chunked_cross_entropy(x, weight, targets, dtype, with_grads)[0]
 
-# ---------------------------------------------------------------------------- what torch.compile sees
-# - LEV.forward stays out: torch.unique's output size changes every batch; the backbone sees one shape.
+# -------------------------------------------------------------------------- what torch.compile sees
+# - LEV.forward stays out: torch.unique's output size changes every batch, the backbone's never.
 # - separable_modes stays out: traced, its backward's rebuilt phi would be merged with the forward's
 #   and saved. Its kernels are compiled on their own (Fused), as only then does phi stay in
 #   registers, unless a call is too small (FUSE_MIN_FLOATS) to repay seconds of compiling.
@@ -717,8 +720,9 @@ def linear_cross_entropy(x, weight, targets, reduction="mean"):
 # - The loss is one custom-op call; inside it, on a GPU, each chunk's softmax step is Fused.
 
 def compile_lev(lev, **options):
-    """LEV.generate compiled for any number of ids; its product stays out of the graph, its kernels Fused.
-    Split reductions off, as in Fused: a resumed run's first call (other ids) must not change how it sums."""
+    """LEV.generate compiled for any number of ids; its product stays out of the graph, its
+    kernels Fused. Split reductions off, as in Fused: a resumed run's first call (other ids) must
+    not change how it sums."""
     if options.get("backend", "inductor") == "inductor":
         options.setdefault("options", {"split_reductions": False})
     lev.generate = torch.compile(lev.generate, dynamic=True, **options)

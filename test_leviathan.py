@@ -220,11 +220,14 @@ def test_compiled_generator_keeps_the_product_eager():
 
 
 def test_lev_generates_a_bucket_of_rows_and_the_extra_rows_change_nothing(monkeypatch):
-    """LEV.forward generates id_bucket(n) rows for n distinct ids (at most 25% more, 4 sizes per
-    doubling); the output and every gradient are those of generating exactly the n rows."""
-    assert [leviathan.id_bucket(n) for n in (1, 8, 9, 100, 1025, 3900)] == [1, 8, 10, 112, 1280, 4096]
-    assert all(n <= leviathan.id_bucket(n) <= 1.25 * n for n in range(1, 5000))
-    assert len({leviathan.id_bucket(n) for n in range(1025, 2049)}) == 4
+    """LEV.forward generates distinct_ids' rows: for n distinct ids a bucket of at most 25% more, 4
+    sizes per doubling; the output and every gradient are those of generating exactly the n rows."""
+    def bucket(n):
+        return len(leviathan.distinct_ids(torch.arange(n))[0])
+
+    assert [bucket(n) for n in (1, 8, 9, 100, 1025, 3900)] == [1, 8, 10, 112, 1280, 4096]
+    assert all(n <= bucket(n) <= 1.25 * n for n in range(1, 5000))
+    assert len({bucket(n) for n in range(1025, 2049)}) == 4
     lev = micro_model("lev").lev
     generated, generate = [], lev.generate
     monkeypatch.setattr(lev, "generate", lambda rows: generated.append(len(rows)) or generate(rows))
@@ -236,7 +239,7 @@ def test_lev_generates_a_bucket_of_rows_and_the_extra_rows_change_nothing(monkey
         unique, inverse = torch.unique(ids, return_inverse=True)
         exact = F.embedding(inverse, generate(unique))
         exact_grads = torch.autograd.grad((exact * weights).sum(), list(lev.parameters()))
-        assert generated[-1] == leviathan.id_bucket(n) > n
+        assert generated[-1] == bucket(n) > n
         torch.testing.assert_close(out, exact, rtol=1e-6, atol=1e-7)
         for g, ref in zip(grads, exact_grads, strict=True):
             torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
@@ -371,11 +374,35 @@ def test_optimizer_groups_scale_lr_and_spare_the_input_side_from_decay():
         assert head["weight_decay"] == 0.1 and head["lr_scale"] == (0.25 if embedding == "tied" else 8.0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunked_loss_equals_its_reference(reduction, monkeypatch):
+    """linear_cross_entropy never builds the [N, V] logits, yet gives what cross_entropy_reference
+    (F.cross_entropy on them) gives: the loss, and dL/dx and dL/dW under a gradient from above
+    that is not 1 (the mean's backward scales by it). 7 positions per chunk: 50 positions make 8
+    chunks, the last of 1."""
+    monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", 7 * MICRO.vocab_size)
+    assert [c.stop - c.start for c in leviathan.loss_chunks(50, MICRO.vocab_size)] == [7] * 7 + [1]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 16, generator=generator, requires_grad=True)
+    weight = (0.3 * torch.randn(MICRO.vocab_size, 16, generator=generator)).requires_grad_()
+    targets = torch.randint(0, MICRO.vocab_size, (50,), generator=generator)
+    from_above = torch.tensor(3.0) if reduction == "mean" else torch.rand(50, generator=generator)
+    results = []
+    for loss_fn in (leviathan.linear_cross_entropy, leviathan.cross_entropy_reference):
+        loss = loss_fn(x, weight, targets, reduction=reduction)
+        results.append((loss, *torch.autograd.grad(loss, (x, weight), from_above)))
+    (loss, grad_x, grad_w), (reference, reference_x, reference_w) = results
+    assert loss.shape == reference.shape == ((50,) if reduction == "none" else ())
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    for g, ref in [(grad_x, reference_x), (grad_w, reference_w)]:  # to float32 rounding
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("embedding", ["tied", "lev"])
-def test_chunked_loss_equals_full_cross_entropy(embedding, monkeypatch):
-    """The loss never builds the [tokens, V] logits, yet gives what F.cross_entropy on them
-    gives: value, gradients of every parameter (the tied table gets both of its gradients),
-    and per-token losses. 7 positions per chunk: chunks that do not divide the batch."""
+def test_model_loss_is_the_cross_entropy_of_its_logits(embedding, monkeypatch):
+    """Model.forward's chunked loss against F.cross_entropy on the model's own logits: the value,
+    every parameter's gradient (the tied table gets both of its gradients), per-token losses in
+    [B, T], and under bf16 autocast a float32 loss. 7 positions per chunk, as above."""
     monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", 7 * MICRO.vocab_size)
     model = micro_model(embedding)
     torch.nn.init.normal_(model.head.weight, std=0.1)
@@ -479,15 +506,15 @@ def test_the_loss_passes_over_the_logits_once_outside_its_fused_step(monkeypatch
     run plain, uncounted) is fused there: test_fused_kernels_match_eager_as_triton_kernels."""
     n, V, D, chunk = 96, 4096, 8, 32
     monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 3 chunks
-    census, steps = LogitPasses((chunk, V)), []
+    census, steps, softmax_step = LogitPasses((chunk, V)), [], leviathan.softmax_gradient_
 
     def uncounted_step(*args):
         census.paused = True
-        steps.append(leviathan.softmax_gradient_(*args))
+        steps.append(softmax_step(*args))
         census.paused = False
         return steps[-1]
 
-    monkeypatch.setattr(leviathan, "softmax_step", uncounted_step)
+    monkeypatch.setattr(leviathan, "softmax_gradient_", uncounted_step)  # a CPU's softmax step
     x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
     with census:
         leviathan.chunked_loss(x, w, targets, dtype, True)
