@@ -175,9 +175,8 @@ def agree(config, fingerprint, world):
                             "start every rank alike")
 
 # ---------------------------------------------------------------------------- the set-up: data
-def open_data(config):
-    """(meta, fingerprint, train, val, counts, byte_lengths), as Run declares them."""
-    meta, splits, counts, byte_lengths = open_prepared(config.data_dir)
+def open_data(config, splits):
+    """(fingerprint, train, val) of the prepared splits, as Run declares them."""
     fingerprint = {split: {os.path.basename(s.path): [s.n, zlib.crc32(s[:4096].tobytes())]
                            for s in shards} for split, shards in splits.items()}
     train = Windows(splits["train"], config.seq_len, config.seed)
@@ -187,7 +186,7 @@ def open_data(config):
     val = [s[start:start + config.seq_len + 1] for s, start in starts[:n_val]]
     if not val or train.total == 0:  # evaluations of nothing; a division by zero at the first step
         raise UserError(f"a split is shorter than one window, seq_len + 1 = {config.seq_len + 1} tokens")
-    return meta, fingerprint, train, val, counts, byte_lengths
+    return fingerprint, train, val
 
 class Windows:
     """Training window p (seq_len + 1 tokens: inputs, then targets) by its place in the data order,
@@ -217,12 +216,11 @@ class Windows:
         return self.shards[shard][start:start + self.seq_len + 1]
 
 # ---------------------------------------------------------------------------- the set-up: model
-def build(config, n_ids, device, world, ckpt):
+def build(config, model_config, device, world, ckpt):
     """(raw_model, model, optimizer), restored when resuming; compiled in place (the state_dict keys
     stay); model is what the step runs: raw_model, or DDP's wrapper around it."""
-    shape = {f.name: getattr(config, f.name) for f in fields(Config) if f.name != "vocab_size"}
     torch.manual_seed(config.seed)
-    raw_model = Model(Config(vocab_size=padded_vocab(n_ids), **shape)).to(device)
+    raw_model = Model(model_config).to(device)
     cuda = device.type == "cuda"
     optimizer = raw_model.configure_optimizers(config.lr, config.weight_decay, fused=cuda,
                                                lr_input=config.lr_input, lr_head=config.lr_head)
@@ -283,16 +281,20 @@ def set_up(argv):
         raise UserError(f"{config.out_dir} holds another run: pass --resume to continue it, "
                         "or another --out_dir")
     device, rank, world = setup_device(config)
-    meta, fingerprint, train, val, counts, byte_lengths = open_data(config)
+    meta, splits, counts, byte_lengths = open_prepared(config.data_dir)
+    shape = {f.name: getattr(config, f.name) for f in fields(Config) if f.name != "vocab_size"}
+    model_config = Config(vocab_size=padded_vocab(meta["vocab_size"]), **shape)  # checks the shape
+    fingerprint, train, val = open_data(config, splits)
     if ckpt is not None:
         check_data(config, ckpt, meta, fingerprint)
     per_micro_step = world * config.micro_batch * config.seq_len
-    if config.batch_tokens % per_micro_step:  # each step would train on fewer tokens than asked
+    if min(config.batch_tokens, per_micro_step) < 1 or config.batch_tokens % per_micro_step:
+        # each step would train on fewer tokens than asked; or none
         raise UserError(f"--batch_tokens={config.batch_tokens} is not a multiple of world size "
                         f"{world} x micro_batch {config.micro_batch} x seq_len {config.seq_len}")
     if world > 1:
         agree(config, fingerprint, world)
-    raw_model, model, optimizer = build(config, meta["vocab_size"], device, world, ckpt)
+    raw_model, model, optimizer = build(config, model_config, device, world, ckpt)
     run = Run(config=config, meta=meta, fingerprint=fingerprint, train=train, val=val,
               counts=counts, byte_lengths=byte_lengths, device=device, rank=rank, world=world,
               raw_model=raw_model, model=model, optimizer=optimizer,

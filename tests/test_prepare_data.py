@@ -451,6 +451,6 @@ def test_a_held_folder_is_refused_to_another_holder_until_let_go(tmp_path):
     first = prep.hold_folder(str(tmp_path), "--hf_dir")
     with pytest.raises(UserError, match=re.escape(f"{tmp_path} is in use by process {os.getpid()} on ")) as refused:
         prep.hold_folder(str(tmp_path), "--hf_dir")
-    assert "pass another --hf_dir" in str(refused.value)
+    assert "or another --hf_dir" in str(refused.value)
     first.close()
     prep.hold_folder(str(tmp_path)).close()
