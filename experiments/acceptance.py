@@ -7,11 +7,13 @@
 
 It runs train.py as a user does (torch.compile, bf16 autocast, fused AdamW, micro-batches of 16 x 512) on the
 demo corpus with the full o200k vocabulary, and holds the GPU to references computed in float32/float64 on the
-GPU itself. Two processes: this one, the watchdog, starts the measuring process, waits and gives the verdict;
-the measuring process runs the parts below and writes each figure to a state file as soon as it has it. At
-BUDGET_S - CLOSING_S, counted from this command's start (importing torch included), the watchdog stops the
-measuring (SIGALRM: its runs are stopped, it ends); one still alive WATCHDOG_S before the end (hung in a CUDA
-call, say) is killed with its runs. Either way the verdict comes from the figures measured by then.
+GPU itself; each run goes through experiments.observe, which records what train.py does not report (its
+compiled graphs, its DDP comm hook). Two processes: this one, the watchdog, starts the measuring process,
+waits and gives the verdict; the measuring process runs the parts below and writes each figure to a state
+file as soon as it has it. At BUDGET_S - CLOSING_S, counted from this command's start (importing torch
+included), the watchdog stops the measuring (SIGALRM: its runs are stopped, it ends); one still alive
+WATCHDOG_S before the end (hung in a CUDA call, say) is killed with its runs. Either way the verdict comes
+from the figures measured by then.
 
   data     the demo corpus with the o200k vocabulary, prepared the first time.
   1.2b     the 1.2b run (2 micro-batches a step) is started first. While it compiles (CPU work, the GPU
@@ -64,8 +66,10 @@ import torch.nn.functional as F
 import leviathan
 import train
 from experiments import runs
-from leviathan import LEV, Config, Fused, Model, compile_lev, linear_cross_entropy
-from prepare_data import UserError, load_meta, open_prepared, read_json, run_main, write_json
+from experiments.cli import read_json, run_main
+from leviathan import (LEV, Config, Fused, Model, compile_lev, distinct_ids, linear_cross_entropy,
+                       precision)
+from prepare_data import UserError, load_meta, open_prepared, write_json
 
 BUDGET_S = 8 * 60  # this command's start to its verdict (a lent GPU comes with ~15 minutes, start-up included)
 CLOSING_S = 10  # of it, kept to stop the runs, read their logs, delete their folder and give the verdict
@@ -97,12 +101,14 @@ LIMITS = {
     # The chunked loss under bf16 autocast against F.cross_entropy on the whole logits under the same autocast,
     # at the 1.2b head: both round the softmax's gradient to bf16 for the matmuls (~4e-3); a lost chunk, O(1).
     "loss_reference": 2e-2,
-    # One 200m micro-batch pair (accum = 2) through train.py's accumulate_gradients, compiled under bf16
-    # autocast, against the eager float32 model on the same tokens, its head random (a zero head would leave
-    # the backbone without gradient): the worst parameter's |g - g_ref| / |g_ref| (whole tensors). bf16 keeps
-    # 8 bits: each matmul's output is off by ~2e-3 relative, and the ~2 n_layer + 2 matmuls each way compound
-    # that to ~5e-3-1e-2 (5.5e-3 measured on a CPU: experiments/README.md). It bounds the gradient norms'
-    # ratio too. A lost 1/accum doubles every gradient (error 1); a micro-step counted twice moves them ~50%.
+    # One 200m micro-batch pair accumulated as train.py's step does (each micro-batch's mean
+    # loss, its backward seeded with 1/2), the model compiled under bf16 autocast, against the
+    # eager float32 model on the same tokens at once, its head random (a zero head would leave the
+    # backbone without gradient): the worst parameter's |g - g_ref| / |g_ref| (whole tensors).
+    # bf16 keeps 8 bits: each matmul's output is off by ~2e-3 relative, and the ~2 n_layer + 2
+    # matmuls each way compound that to ~5e-3-1e-2 (5.5e-3 measured on a CPU:
+    # experiments/README.md). It bounds the gradient norms' ratio too. A backward that drops its
+    # incoming gradient (the 1/2) doubles every gradient (error 1).
     "grad_reference": 2e-2,
     # The first logged loss of shallow-whole against ln V: its head starts at zero, so every logit is 0.
     "first_loss": 1e-3,
@@ -160,7 +166,7 @@ FLOORS = {"mfu 1.2b"}
 # `python -m experiments.bench memory` rounded up. The README's table must say the same (a test checks it).
 MEMORY_ESTIMATE_GB = {"200m": (8, 8), "400m": (15, 15), "1.2b": (37, 37)}  # DDP: gradients are bucket views
 MEMORY_HEADROOM = {"peak_mem_gb": 0.10, "peak_reserved_gb": 0.20}  # allocated, reserved
-BF16_HOOK = "bf16_compress_hook"  # torch's, as DDP names it (train.py prints it)
+BF16_HOOK = "bf16_compress_hook"  # torch's, by its name (experiments.observe records it)
 
 # ---------------------------------------------------------------------------- the watchdog: start to verdict
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)  # SIGALRM: the measuring's time is up
@@ -469,35 +475,46 @@ def shape_of(size, toy):
         return TOY
     return dict(size="200m", n_layer=SHALLOW_LAYERS) if size == "shallow" else {"size": size}
 
+def shape_argv(shape):
+    """A shape as train.py's options."""
+    return [f"--{key}={value}" for key, value in shape.items()]
+
 def micro_batch_shape(shape):
     """(sequences, tokens per sequence) of one micro-batch of a shape."""
-    config = train.resolve(shape)
+    config = train.read_options(shape_argv(shape))
     return config.micro_batch, config.seq_len
 
 def options(args, shape, folder, micro_batches, *more):
     """train.py's options: the shape, micro_batches micro-batches a step of a 1000-step schedule (2 steps of
     warmup), a log line every step, no evaluation or checkpoint unless asked for."""
     micro_tokens = math.prod(micro_batch_shape(shape))
-    return [*(f"--{key}={value}" for key, value in shape.items()), f"--data_dir={args.data_dir}",
+    return [*shape_argv(shape), f"--data_dir={args.data_dir}",
             f"--out_dir={os.path.join(args.out_dir, folder)}", f"--device={args.device}",
             f"--batch_tokens={micro_batches * micro_tokens}", f"--total_tokens={1000 * micro_batches * micro_tokens}",
             "--warmup_steps=2", "--log_interval=1", f"--eval_tokens={micro_tokens}", "--eval_interval=1000",
             "--ckpt_interval=1000", *more]
 
 def start_run(m, name, train_options, expected=0, processes=1, env=None):
-    """train.py in its own session (its output in out_dir/<name>.txt), compiling with COMPILE_THREADS into a
-    cache of this acceptance run's (cold, as on a new machine) unless env says otherwise; expected: the exit
+    """train.py in its own session (its output in out_dir/<name>.txt), under experiments.observe
+    (what torch did in it: observed_path), compiling with COMPILE_THREADS into a cache of this
+    acceptance run's (cold, as on a new machine) unless env says otherwise; expected: the exit
     status it should end with (128 + SIGTERM for the run that gets one)."""
     m.check()
     output, cache = os.path.join(m.args.out_dir, f"{name}.txt"), os.path.join(m.args.out_dir, "compile-cache")
     env = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(cache), "TORCHINDUCTOR_COMPILE_THREADS": str(COMPILE_THREADS),
            **(env or {})}
-    process = runs.start(train_options, processes, output, env=env)
+    observed = observed_path(m.args.out_dir, name)
+    process = runs.start(train_options, processes, output, env=env, observed=observed)
     with m.lock:
         m.started[name] = process, time.time()
         m.figures["runs"][name] = dict(expected=expected, output=output, pid=process.pid)
     m.save()
     print(f"started {name}", flush=True)
+
+def observed_path(out_dir, name):
+    """Where experiments.observe writes what torch did in the run name: its graphs after each
+    step, its DDP comm hook."""
+    return os.path.join(out_dir, f"{name}-observed.json")
 
 def last_step(out_dir, folder):
     """The last step the run in folder has logged (0 for none)."""
@@ -550,9 +567,11 @@ def read_runs(out_dir, figures):
     """Every figure the runs' logs and outputs hold, whether or not they ended (a run stopped by the budget
     keeps what it logged). A run that failed keeps its last 40 lines."""
     train_logs = {folder: runs.log_records(os.path.join(out_dir, folder), "train") for folder in RUN_NAMES}
-    checks, outputs = figures["checks"], {}
+    checks, outputs, observed = figures["checks"], {}, {}
     for name, run in figures["runs"].items():
         outputs[name] = open(run["output"]).read() if os.path.exists(run["output"]) else ""
+        path = observed_path(out_dir, name)
+        observed[name] = read_json(path, "") if os.path.exists(path) else {}
         if run_line(name, run)[0] != "ok":
             run.update(tail=outputs[name].splitlines()[-40:], error=runs.error_line(outputs[name]))
     cut = {name for name, run in figures["runs"].items() if run.get("stopped", "").startswith("cut short")}
@@ -561,8 +580,7 @@ def read_runs(out_dir, figures):
                                       for key in MEMORY_HEADROOM})
     whole = train_logs["shallow-whole"]
     checks["resume_cold_cache"] = largest_difference(whole, train_logs["shallow-resumed"], STEPS, ("loss",))
-    hook = re.findall(r"gradient comm hook (\S+)", outputs.get("shallow-ddp-one-gpu", ""))
-    figures["comm_hook"] = hook[0] if hook else None
+    figures["comm_hook"] = observed.get("shallow-ddp-one-gpu", {}).get("comm_hook")
     difference = largest_difference(whole, train_logs["shallow-ddp-one-gpu"], STEPS, ("loss", "grad_norm"))
     wanted_hook = BF16_HOOK if figures["device"] != "cpu" else "none"
     checks["ddp_one_gpu"] = difference if difference is None or figures["comm_hook"] == wanted_hook else math.inf
@@ -590,7 +608,7 @@ def read_runs(out_dir, figures):
     figures["speed"] = speed(steady, 2, os.path.join(out_dir, "1.2b"), figures["device"])
     if "mfu 1.2b" in checks and figures["speed"]:
         checks["mfu 1.2b"] = figures["speed"]["mfu"]
-    compiled = [r for r in train_logs["1.2b"] if "graphs" in r]
+    compiled = [step for step in observed.get("1.2b", {}).get("steps", []) if step["graphs"]]
     if "graph_breaks 1.2b" in checks and len(compiled) >= 2:
         checks["graph_breaks 1.2b"] = compiled[-1]["graph_breaks"]
         checks["recompiles 1.2b"] = compiled[-1]["graphs"] - compiled[1]["graphs"]
@@ -665,7 +683,8 @@ def speed(records, micro_batches, run_dir, device_name):
 
 def shape_config(data_dir, shape):
     """The lev model of a shape (a size's options, or TOY's) at the data's vocabulary."""
-    return train.model_config(train.resolve(shape), load_meta(data_dir)["vocab_size"])
+    options = train.read_options(shape_argv(shape))
+    return runs.model_config(options, load_meta(data_dir)["vocab_size"])
 
 def relative_error(got, want):
     """The largest |got - want|, relative to want's largest entry."""
@@ -723,30 +742,46 @@ def loss_reference_error(args, device, shape):
         torch.cuda.empty_cache()  # the whole logits' ~20 GB, back to the GPU for the runs beside
     return max(relative_error(got, want) for got, want in zip(*results))
 
+def text_windows(data_dir, n, seq_len):
+    """The first n windows of seq_len + 1 tokens of the data's training text (its first shard),
+    one every seq_len tokens, as train.py's windows are cut: [n, seq_len + 1] int64."""
+    _, splits, *_ = open_prepared(data_dir)
+    tokens = torch.from_numpy(splits["train"][0][:n * seq_len + 1].astype(np.int64))
+    return tokens.unfold(0, seq_len + 1, seq_len).contiguous()
+
+def accumulate(model, micro_batches, device):
+    """The gradients of the mean loss over the micro-batches, made as train.py's step makes them:
+    each micro-batch's mean loss under bf16 autocast, its backward seeded with 1 / their number."""
+    for x, y, distinct in micro_batches:
+        with precision(device, bf16=True):
+            loss = model(x, y, distinct=distinct)
+        (loss / len(micro_batches)).backward()
+
 def grad_reference(m, shape):
-    """grad_reference, the gradient norm ratio and sdpa_kernel into the figures: two micro-batches of real text
-    through train.py's accumulate_gradients, the model compiled under bf16 autocast, against the eager float32
-    model on both at once (LIMITS). The second, compiled pass is profiled for its attention kernels."""
+    """grad_reference, the gradient norm ratio and sdpa_kernel into the figures: two micro-batches
+    of real text accumulated (accumulate), the model compiled under bf16 autocast, against the eager
+    float32 model on both at once (LIMITS). The second, compiled pass is profiled for its attention
+    kernels."""
     device = m.device
     cfg, (micro_batch, seq_len) = shape_config(m.args.data_dir, shape), micro_batch_shape(shape)
-    meta, splits, *_ = open_prepared(m.args.data_dir)
-    train_windows = train.Windows(splits["train"], seq_len, 0)
-    windows = [train_windows[p] for p in range(2 * micro_batch)]
+    xy = text_windows(m.args.data_dir, 2 * micro_batch, seq_len)
+    micro_batches = []
+    for part in xy.split(micro_batch):  # LEV's distinct ids made on the CPU, as in training
+        x, y = part[:, :-1], part[:, 1:]
+        distinct = tuple(ids.to(device) for ids in distinct_ids(x))
+        micro_batches.append((x.to(device), y.to(device), distinct))
     torch.manual_seed(0)
     reference = Model(cfg).to(device)
     torch.nn.init.normal_(reference.head.weight, std=0.02)  # a zero head gives the backbone no gradient
     fast = copy.deepcopy(reference)
     fast.compile()
-    config = SimpleNamespace(micro_batch=micro_batch, seq_len=seq_len, batch_tokens=2 * micro_batch * seq_len, bf16=True)
-    run = SimpleNamespace(model=fast, config=config, train=train_windows, step=0, accum=2, rank=0, world=1, device=device,
-                          lev=True)
-    train.accumulate_gradients(run)  # compiles
+    accumulate(fast, micro_batches, device)  # compiles
     fast.zero_grad(set_to_none=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                            if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
-        train.accumulate_gradients(run)
-    xy = torch.from_numpy(np.stack(windows).astype(np.int64)).to(device)
+        accumulate(fast, micro_batches, device)
+    xy = xy.to(device)
     reference(xy[:, :-1], xy[:, 1:]).backward()
     pairs = [(p.grad, q.grad) for p, q in zip(fast.parameters(), reference.parameters())]
     worst = max(((g - r).norm() / r.norm()).item() for g, r in pairs)
@@ -880,7 +915,8 @@ def report(figures, json_path):
               f" GB) would take {disk['checkpoint_s']:.0f} s")
     if figures["grad_norm_ratio"] is not None:
         print(f"gradient norm, compiled bf16 over eager float32: {figures['grad_norm_ratio']:.4f}")
-    print(f"DDP's gradient comm hook in shallow-ddp-one-gpu: {figures['comm_hook'] or 'not reported'}")
+    hook = figures["comm_hook"] or "not observed"
+    print(f"DDP's gradient comm hook in shallow-ddp-one-gpu: {hook}")
     if figures["lev"]:
         lev = figures["lev"]
         print(f"LEV alone, forward + backward: {lev['seconds'] * 1e3:.1f} ms for {lev['distinct_ids']:,} distinct "

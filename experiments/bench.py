@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from experiments import acceptance, runs
 from experiments.acceptance import MEMORY_ESTIMATE_GB
+from experiments.cli import run_main
 from leviathan import EMBEDDINGS, LEV, LOSS_CHUNK_LOGITS, Config, Model, generate_text, linear_cross_entropy, padded_vocab
-from prepare_data import UserError, demo_documents, get_tokenizer, run_main
-from train import model_config, resolve
+from prepare_data import UserError, demo_documents, get_tokenizer
+from train import read_options
 
 # The ids of each size's data folder: prepare_data.py's demo vocabulary and o200k_base's.
 DATA_IDS = {"data/demo": 8192, "data/pile": 200_019}
@@ -40,8 +41,8 @@ DATA_IDS = {"data/demo": 8192, "data/pile": 200_019}
 
 def size_model(size, **overrides):
     """The model of a size in train.SIZES, on its own data's vocabulary, with some fields changed."""
-    config = resolve({"size": size})
-    return dataclasses.replace(model_config(config, DATA_IDS[config.data_dir]), **overrides)
+    options = read_options([f"--size={size}"])
+    return dataclasses.replace(runs.model_config(options, DATA_IDS[options.data_dir]), **overrides)
 
 
 def real_token_batch(tokenizer, batch, seq_len):
@@ -270,7 +271,7 @@ def bench_train(args, device):
     """The real training loop (train.py on the demo corpus, tiny preset): tokens/s of each arm,
     runs interleaved. Needs `python prepare_data.py --dataset=demo` first."""
     rates, steps = {e: [] for e in EMBEDDINGS}, 60
-    tiny_batch_tokens = resolve({"size": "tiny"}).batch_tokens
+    tiny_batch_tokens = read_options(["--size=tiny"]).batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, embedding in itertools.product(range(args.repeats), EMBEDDINGS):
             out_dir, output = os.path.join(tmp, f"{embedding}{repeat}"), os.path.join(tmp, f"{embedding}{repeat}.txt")
@@ -351,7 +352,7 @@ def memory_estimate(size):
     """Bytes per GPU for the lev arm of a paper size at its micro-batch, by part. What the compiled
     graph saves is measured at 1 and 2 layers and 128 and 256 tokens, and fitted as
     a + b*layers + c*tokens + d*layers*tokens: b is each layer's bf16 weight copies, d its activations."""
-    preset, base = resolve({"size": size}), size_model(size, embedding="lev")
+    preset, base = read_options([f"--size={size}"]), size_model(size, embedding="lev")
     m = {(layers, tokens): saved_by_compiled_graph(dataclasses.replace(base, n_layer=layers, seq_len=tokens), tokens)
          for layers in (1, 2) for tokens in (128, 256)}
     d = (m[2, 256] - m[1, 256] - m[2, 128] + m[1, 128]) / 128
@@ -377,7 +378,7 @@ def bench_memory(args, device):
     """The README's memory table: GB per GPU for each paper size's lev arm, part by part."""
     for size in ("200m", "400m", "1.2b"):
         parts = memory_estimate(size)
-        preset = resolve({"size": size})
+        preset = read_options([f"--size={size}"])
         print(f"\n{size}, lev, micro-batch {preset.micro_batch} x {preset.seq_len}, one GPU or DDP (GB)")
         for name, value in parts.items():
             print(f"  {name:<64}{value / 1e9:6.2f}")

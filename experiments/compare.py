@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from experiments import evaluate, runs  # evaluate's lm-eval import is optional: only the downstream step needs it
-from prepare_data import UserError, hold_folder, read_json, run_main, write_json
-from train import SIZES, resolve
-from train import parse_args as train_parse_args
+from experiments.cli import read_json, run_main
+from prepare_data import UserError, hold_folder, write_json
+from train import SIZES, read_options
 
 ARMS = ("tied", "untied", "lev")  # the baselines first: lev's figures are read against tied's
 # What the paper reports for lev against tied (arXiv 2601.22040): validation perplexity per size,
@@ -195,8 +195,8 @@ def compare(argv):
                         "(or pass --tasks= to skip them)")
     if tasks:  # every task known, and --include_path's YAML parsing, before training too
         evaluate.task_manager(tasks, args.include_path)
-    for arm in ARMS:  # each arm's train.py options checked too: a refused command writes nothing
-        resolve(train_parse_args(arm_options(args, arm)))
+    for arm in ARMS:  # each arm's train.py options read too: a refused command writes nothing
+        read_options(arm_options(args, arm))
     check_same_comparison(args)
     with hold_folder(args.out_dir):  # one command per comparison: a second would retrain the running arm
         for arm in ARMS:

@@ -29,8 +29,9 @@ if not __package__:  # run as a path (python experiments/x.py): the repository's
 
 import torch
 
-from prepare_data import UserError, hold_folder, read_json, run_main, write_json
+from experiments.cli import read_json, run_main
 from leviathan import precision
+from prepare_data import UserError, hold_folder, write_json
 from sample import check_device, load_model
 
 try:

@@ -28,8 +28,9 @@ if not __package__:  # run as a path (python experiments/x.py): the repository's
 
 import torch
 
+from experiments.cli import run_main
 from leviathan import Config
-from prepare_data import UserError, hold_folder, run_main
+from prepare_data import UserError, hold_folder
 from sample import load_model
 
 INSTALL = 'pip install "transformers>=5,<6"'

@@ -15,7 +15,14 @@ three-knot kernels do not apply. Slower than the fast path: the reference's equa
 above a test's size (fused, so rounded differently). Every other step, the parameters and their
 initialisation are LEV's, so at a given seed a variant starts from the same values as
 leviathan.py's LEV. Resume works as for train.py: the knot scale is a parameter, in the checkpoint.
+
+train.py itself is not changed: leviathan.LEV, from which leviathan.Model builds its input side,
+is the variant's class while train.py's main runs with the other options. A variant's LEV holds
+a buffer named after it (variant_raw_basis, variant_knot_scale), saved in the checkpoint: train.py,
+sample.py and the export, which build leviathan.py's LEV, refuse the checkpoint as they load it
+(an unexpected key), and this command refuses to resume, or evaluate, another variant's.
 """
+import os
 import sys
 if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
     sys.exit("error: run it from the repository's root as: python -m experiments.lev_variants")
@@ -25,7 +32,8 @@ import torch.nn as nn
 
 import leviathan
 import train
-from prepare_data import UserError, print_error
+from experiments.cli import run_main
+from prepare_data import UserError
 
 # Above this many floats of phi ([h, N, d_seed, r]) a call runs compiled (inductor fuses the basis
 # and the product's elementwise steps: ~4x faster on a CPU); a test-sized call runs eagerly,
@@ -60,10 +68,20 @@ def dense_modes(t, scale, spline, normalise):
 compiled_dense_modes = torch.compile(dense_modes, dynamic=True, fullgraph=True)
 
 
+def marker(name):
+    """The buffer that names a variant in its LEV's state_dict."""
+    return "variant_" + name.replace("-", "_")
+
+
 class DenseLEV(leviathan.LEV):
     """LEV whose steps 3c-3e are dense_modes: the basis with a knot scale (knot_scale()) and with
-    or without renormalisation (normalise)."""
+    or without renormalisation (normalise); its variant's marker among its buffers."""
     normalise = True
+    name = None  # the variant's, in VARIANTS
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer(marker(self.name), torch.zeros(()))  # no random draw: LEV's init kept
 
     def knot_scale(self):
         """s [h, d_seed]: leviathan.py's fixed kappa - 1."""
@@ -80,11 +98,13 @@ class DenseLEV(leviathan.LEV):
 
 class RawBasisLEV(DenseLEV):
     """The basis not renormalised: sum_m B_m(t) dips to 0.875 at t = 0 and t = 1."""
+    name = "raw-basis"
     normalise = False
 
 
 class KnotScaleLEV(DenseLEV):
     """x = (t - g_m) s with s a parameter [h, d_seed], initialised to kappa - 1."""
+    name = "knot-scale"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -96,27 +116,38 @@ class KnotScaleLEV(DenseLEV):
         return self.scale
 
 
-VARIANTS = {"raw-basis": RawBasisLEV, "knot-scale": KnotScaleLEV}
+VARIANTS = {cls.name: cls for cls in (RawBasisLEV, KnotScaleLEV)}
 OPTION = "--lev_variant="
 
 
+def saved_variant(path):
+    """The variant whose LEV a checkpoint holds, by its marker; None for leviathan.py's LEV."""
+    keys = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
+    return next((name for name in VARIANTS if f"lev.{marker(name)}" in keys), None)
+
+
 def main(argv):
-    """train.py's main(argv), its models' LEV being the variant's. --lev_variant is an option of the run, as
-    train.py's own are: kept in its config.json and checkpoint, so that a resume must name the same variant,
-    and train.py, sample.py or an export, which build leviathan.py's LEV, refuse the checkpoint in one line."""
+    """train.py's main(argv but --lev_variant), leviathan.LEV being the variant's class. A resume or
+    --eval_only of another variant's checkpoint, or of leviathan.py's LEV, is refused."""
     given = [a for a in argv if a.startswith(OPTION)]
     names = [a.removeprefix(OPTION) for a in given]
     if len(names) != 1 or names[0] not in VARIANTS:
-        raise UserError(f"expected one {OPTION}NAME with NAME among {', '.join(VARIANTS)}; got {' '.join(given) or 'none'}")
+        raise UserError(f"expected one {OPTION}NAME with NAME among {', '.join(VARIANTS)}; "
+                        f"got {' '.join(given) or 'none'}")
+    argv = [a for a in argv if not a.startswith(OPTION)]
+    options = train.read_options(argv)
+    if options.resume or options.eval_only:  # else another LEV's weights would load as this one's
+        path = os.path.join(options.out_dir, "ckpt.pt")
+        there = saved_variant(path)
+        if there is None:
+            raise UserError(f"{path} holds leviathan.py's LEV, not the {names[0]} variant's: "
+                            "read it with train.py")
+        if there != names[0]:
+            raise UserError(f"{path} holds the {there} variant's LEV, not the {names[0]} "
+                            f"variant's: read it with {OPTION}{there}")
     leviathan.LEV = VARIANTS[names[0]]  # what leviathan.Model builds its input side from
-    train.OPTIONS["lev_variant"] = ("", f"LEV's variant: {' | '.join(VARIANTS)} (experiments.lev_variants)")
-    train.DEFAULTS["lev_variant"] = ""  # unset in a plain run: its checkpoint stays readable here
     return train.main(argv)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as error:
-        print_error(error)
-        sys.exit(1)
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -7,6 +7,7 @@ at a deadline, on Ctrl-C or on a SIGTERM to its caller gets SIGTERM unless the c
 checkpoint and exits, and `--resume` continues it.
 """
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -16,8 +17,10 @@ import subprocess
 import sys
 import time
 
-from prepare_data import UserError, read_json
-from train import DEFAULTS, RESUME_FREE, parse_args, resolve, run_files
+from experiments.cli import read_json
+from leviathan import Config, padded_vocab
+from prepare_data import UserError
+from train import RESUME_FREE, RUN_FILES, read_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
@@ -55,8 +58,8 @@ def error_line(output):
 
 def finished(run_dir, options=None):
     """Whether the run has evaluated at its last step (train.py's last act before exiting). With the
-    train.py options it is to have, a finished run trained otherwise is refused: reused, its results
-    would stand for a run that was not made (a folder trained by hand, say)."""
+    train.py options it is to have (train.py's own, read_options'), a finished run trained
+    otherwise is refused: reused, its results would stand for a run never made (a hand-made one)."""
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
         return False
@@ -68,8 +71,7 @@ def finished(run_dir, options=None):
     records = log_records(run_dir, "eval")
     done = bool(records) and records[-1]["tokens_seen"] >= total_tokens
     if done and options is not None:
-        known = [o for o in options if o.split("=")[0][2:] in DEFAULTS]  # a LEV variant's own: lev_variants.py's
-        asked, saved = vars(resolve(parse_args(known))), config["train"]
+        asked, saved = vars(read_options(options)), config["train"]
         if changed := sorted(k for k in asked if k not in RESUME_FREE and saved.get(k) != asked[k]):
             raise UserError(f"{run_dir} was trained with other options (" + ", ".join(
                 f"{k}={saved.get(k)} there, {asked[k]} here" for k in changed) + "): delete it to train it "
@@ -77,23 +79,32 @@ def finished(run_dir, options=None):
     return done
 
 
-def command(options, processes=1):
-    """train.py with options; more than one process runs under torchrun (DDP, one GPU each)."""
+def model_config(options, n_ids):
+    """The leviathan.Config train.py builds from its options (read_options') for n_ids token ids."""
+    shape = {f.name: getattr(options, f.name) for f in dataclasses.fields(Config)
+             if f.name != "vocab_size"}
+    return Config(vocab_size=padded_vocab(n_ids), **shape)
+
+
+def command(options, processes=1, observed=None):
+    """train.py with options; more than one process runs under torchrun (DDP, one GPU each). With
+    observed, a JSON file: run by experiments.observe, which writes there what torch did in it."""
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
                 if processes > 1 else [])
-    return [sys.executable, *launcher, TRAIN, *options]
+    observer = ["-m", "experiments.observe", observed] if observed else []  # torchrun's -m too
+    return [sys.executable, *launcher, *observer, TRAIN, *options]
 
 
-def start(options, processes=1, output=None, env=None):
+def start(options, processes=1, output=None, env=None, observed=None):
     """Start train.py (command()) in a session of its own, with env's variables over this process's; its
     output appended to the file `output`, or to this terminal when None."""
-    env = {**os.environ, **(env or {})}
+    argv, env = command(options, processes, observed), {**os.environ, **(env or {})}
     if output is None:
-        return subprocess.Popen(command(options, processes), start_new_session=True, env=env)
+        return subprocess.Popen(argv, start_new_session=True, env=env)
     os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     with open(output, "a") as f:  # the child has its own copy of the file
-        return subprocess.Popen(command(options, processes), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
 
 
 def descendants(pid):
@@ -169,8 +180,10 @@ def train(run_dir, options, processes=1, output=None, deadline=None, note=""):
     options = [*options, f"--out_dir={run_dir}"]
     if os.path.exists(os.path.join(run_dir, "ckpt.pt")):
         options.append("--resume")
-    else:  # stopped before its first checkpoint: nothing to resume, and train.py refuses to start over its files
-        for name in run_files(run_dir):
-            os.remove(os.path.join(run_dir, name))
+    else:  # stopped before its first checkpoint, nothing to resume: its files go (train.py
+        # refuses to start over them), and its evaluations, which would stand beside the new run's
+        for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+            if name in RUN_FILES or re.fullmatch(r"eval_step\d+\.json", name):
+                os.remove(os.path.join(run_dir, name))
     print(f"{time.strftime('%H:%M')} {shown(command(options, processes))}{note}", flush=True)
     return wait(start(options, processes, output), deadline)

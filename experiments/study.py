@@ -52,13 +52,14 @@ if not __package__:  # run as a path (python experiments/x.py): the repository's
 import numpy as np
 
 from experiments import lev_variants
+from experiments.cli import read_json, run_main
 from experiments.runs import finished, log_records, shown, train as train_run, wait
-from prepare_data import UserError, load_meta, read_json, read_shard, run_main, shard_paths, write_shard
-from train import resolve
+from prepare_data import UserError, load_meta, read_shard, shard_paths, write_shard
+from train import read_options
 
 STUDY_DIR = os.path.join("out", "study")  # relative to the repository root, where the commands run
 FIGURES_DIR = os.path.join("experiments", "figures")
-TINY = resolve({"size": "tiny"})  # train.py's tiny size
+TINY = read_options(["--size=tiny"])  # train.py's tiny size
 BATCH_TOKENS = TINY.batch_tokens  # 4,096 tokens per step; budgets are given in steps
 FULL_STEPS = TINY.total_tokens // BATCH_TOKENS  # 660 steps = 2.7M tokens
 ARMS = ("lev", "tied", "untied")
@@ -322,14 +323,15 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
                   flush=True)
             continue
         for out_dir, args in planned_runs(plan_name)[k - 1::n]:
-            if finished(out_dir, args):
+            variant = [a for a in args if a.startswith(lev_variants.OPTION)]  # lev_variants' own
+            if finished(out_dir, [a for a in args if a not in variant]):
                 continue
             speed = measured_speed(plan)
             estimate = plan["steps"] * BATCH_TOKENS / speed * 1.1 if speed else None  # +10% for evaluations
             if deadline and time.time() + (estimate or 0) > deadline:  # a shape not yet measured: try it
                 print(f"not run: {out_dir} (estimated {(estimate or 0) / 60:.0f} min, past the deadline)", flush=True)
                 continue
-            start = train_lev_variant if any(a.startswith(lev_variants.OPTION) for a in args) else train_run
+            start = train_lev_variant if variant else train_run
             code, stopped = start(out_dir, args, output=os.path.join(out_dir, "train.out"), deadline=deadline,
                                   note=f" (estimated {estimate / 60:.0f} min)" if estimate else "")
             if stopped:  # train.py saved a checkpoint and exited: rerun to resume

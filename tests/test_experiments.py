@@ -3,6 +3,7 @@ line (evaluate.py), the paper's comparison in one command (compare.py), the CPU-
 split, tables and errors (study.py), and bench.py's options and GPU acceptance test, run on a CPU
 toy. The tools run as a user runs them: `python -m experiments.X` from the repository root."""
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -24,10 +25,11 @@ import leviathan
 import prepare_data as prep
 import train
 from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
-                      exit_status, random_model, run_script, train_cli, write_choice_task)
+                      exit_status, micro_model, random_model, run_script, train_cli, write_choice_task)
 from experiments import acceptance, bench, compare, evaluate, runs, study
+from experiments.cli import run_main
 from experiments.evaluate import LeviathanLM, scoring_windows
-from prepare_data import UserError, run_main, tokenizer_from_meta
+from prepare_data import UserError, tokenizer_from_meta
 from sample import load_model
 from test_leviathan import bias_logits
 
@@ -39,7 +41,8 @@ def run_module(tool, *args, env=None, timeout=300):
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("tool", ["acceptance", "bench", "compare", "evaluate", "export", "lev_variants", "study"])
+@pytest.mark.parametrize("tool", ["acceptance", "bench", "compare", "evaluate", "export", "lev_variants", "observe",
+                                  "study"])
 def test_a_tool_run_as_a_path_says_how_to_run_it(tool, tmp_path):
     """python experiments/TOOL.py puts experiments/ first on the path, where prepare_data, train and the
     experiments package cannot be imported: one line with the command that works, before any import fails."""
@@ -71,16 +74,13 @@ def test_log_records_are_one_type_and_leave_out_a_line_cut_short(tmp_path):
 @pytest.mark.parametrize("damage", ["a line not JSON", "a record without its step"])
 def test_a_damaged_log_line_is_one_error_naming_it(tmp_path, damage):
     """Only a cut last line is a kill's trace; a damaged line before it is refused by the readers of
-    compare and study (log_records), whose tables it would make wrong. train.py's resume, for which the
-    log is diagnostics, not state, drops it (keep_log_until)."""
+    compare and study (log_records), whose tables it would make wrong, and left as it was."""
     bad = '{"type": "train", "st\n' if damage == "a line not JSON" else '{"type": "train"}\n'
     log = tmp_path / "log.jsonl"
     log.write_text('{"type": "train", "step": 1}\n' + bad + '{"type": "train", "step": 3}\n')
     with pytest.raises(UserError, match=r"log\.jsonl, line 2: not a log record"):
         runs.log_records(tmp_path, "train")
-    assert log.read_text().count("\n") == 3  # left as it was
-    train.keep_log_until(str(log), 3)
-    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 3]
+    assert log.read_text().count("\n") == 3
 
 
 def test_a_damaged_config_or_evaluation_of_a_run_is_one_error_naming_it(train_data, tmp_path, capsys):
@@ -133,7 +133,7 @@ def test_wait_stops_a_run_at_its_deadline_and_train_py_saves_a_checkpoint(train_
         assert process.poll() is None and time.time() < started + 240, output.read_text()
         time.sleep(0.1)
     assert runs.wait(process, deadline=time.time()) == (128 + signal.SIGTERM, True)
-    assert "SIGTERM: saving a checkpoint" in output.read_text() and (out / "ckpt.pt").exists()
+    assert "(SIGTERM); checkpoint saved" in output.read_text() and (out / "ckpt.pt").exists()
     assert not runs.finished(out)
 
 
@@ -160,7 +160,7 @@ def test_ctrl_c_or_sigterm_while_waiting_lets_the_run_save_its_checkpoint_first(
     finally:
         signal.signal(signal.SIGINT, previous)
     assert signal.getsignal(signal.SIGTERM) is not runs.exit_on_signal  # restored after waiting
-    assert process.returncode == 128 + signal.SIGTERM and "SIGTERM: saving a checkpoint" in output.read_text()
+    assert process.returncode == 128 + signal.SIGTERM and "(SIGTERM); checkpoint saved" in output.read_text()
     saved = torch.load(out / "ckpt.pt", weights_only=True)["step"]
     assert saved == runs.log_records(out, "train")[-1]["step"] > 0
 
@@ -357,11 +357,11 @@ def test_a_hub_out_of_reach_is_one_error_line_not_the_clients_retries(tmp_path):
 def test_evaluate_bad_run_or_task_gives_one_error_line(tmp_path, capsys):
     run_dir = save_run(tmp_path / "run", random_model("lev"))
     (tmp_path / "empty").mkdir()
-    for args, phrase in [([f"--out_dir={tmp_path / 'missing'}"], "not found"),
-                          ([f"--out_dir={tmp_path / 'empty'}"], "no checkpoint"),
-                          ([f"--out_dir={run_dir}", "--tasks=piqa,no_such_task"], "unknown task no_such_task")]:
+    for args, phrases in [([f"--out_dir={tmp_path / 'missing'}"], ["No such file", "missing/ckpt.pt"]),
+                          ([f"--out_dir={tmp_path / 'empty'}"], ["No such file", "empty/ckpt.pt"]),
+                          ([f"--out_dir={run_dir}", "--tasks=piqa,no_such_task"], ["unknown task no_such_task"])]:
         code = evaluate.main(args)
-        assert_one_error_line(code, capsys.readouterr().err, phrase)
+        assert_one_error_line(code, capsys.readouterr().err, *phrases)
 
 
 @needs_lm_eval
@@ -385,13 +385,15 @@ def test_every_script_reads_numbers_by_one_rule(capsys):
     assert evaluate.parse_args(["--out_dir=x", "--limit=1_000"]).limit == 1000
     args = prep._parse_args(["--dataset=demo", f"--max_tokens={2**64 + 1}", "--val_fraction=5e-2"])
     assert (args.max_tokens, args.val_fraction) == (2**64 + 1, 0.05)  # not through a float
-    assert train.parse_args(["--total_tokens=24_100_000_000"]) == {"total_tokens": 24_100_000_000}
+    assert train.read_options(["--total_tokens=24_100_000_000"]).total_tokens == 24_100_000_000
     for parse, argv, prog in [(compare.parse_args, ["--size=tiny", "--gpus=1.5"], "python -m experiments.compare"),
                               (evaluate.parse_args, ["--out_dir=x", "--batch_size=many"], "python -m experiments.evaluate"),
                               (bench.bench, ["lev", "--repeats=2.5"], "python -m experiments.bench"),
-                              (prep._parse_args, ["--max_tokens=1e6"], "prepare_data.py"),
-                              (train.parse_args, ["--total_tokens=4.2e9"], "train.py")]:
+                              (prep._parse_args, ["--max_tokens=1e6"], "prepare_data.py")]:
         assert_usage_error(exit_status(parse, argv), capsys.readouterr().err, prog, "invalid int value")
+    assert exit_status(train.read_options, ["--total_tokens=4.2e9"]) == 2  # train.py's usage takes lines
+    assert capsys.readouterr().err.splitlines()[-1].startswith("train.py: error: argument --total_tokens: "
+                                                               "invalid int value")
 
 
 def test_without_lm_eval_one_line_says_how_to_install(monkeypatch, capsys):
@@ -454,14 +456,14 @@ def test_compare_trains_evaluates_and_writes_the_papers_table(train_data, tmp_pa
     (["--size=tiny", "--tasks=", f"--out_dir={Path(__file__)}/cmp"], "Not a directory: "),  # under a file
 ])
 def test_compare_bad_options_give_one_error_line(args, phrase, capsys):
-    assert_one_error_line(compare.run_main(compare.compare, args), capsys.readouterr().err, phrase)
+    assert_one_error_line(run_main(compare.compare, args), capsys.readouterr().err, phrase)
     code = exit_status(compare.compare, [])  # argparse's own: usage, then the error
     assert_usage_error(code, capsys.readouterr().err, "python -m experiments.compare", "required: --size")
 
 
 def test_compare_without_lm_eval_says_so_before_training(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(evaluate, "lm_eval", None)
-    code = compare.run_main(compare.compare, ["--size=tiny", f"--out_dir={tmp_path / 'cmp'}"])
+    code = run_main(compare.compare, ["--size=tiny", f"--out_dir={tmp_path / 'cmp'}"])
     assert_one_error_line(code, capsys.readouterr().err, "lm-evaluation-harness", "--tasks=")
     assert not (tmp_path / "cmp").exists()  # nothing trained, nothing written
 
@@ -576,14 +578,14 @@ def test_study_sweep_parts_share_the_runs_without_overlap(tmp_path, monkeypatch,
 
 
 def test_study_bad_input_gives_one_error_line(capsys):
-    assert study.run_main(study.main, ["sweep", "nope"]) == 1
+    assert run_main(study.main, ["sweep", "nope"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [f"error: sweep needs plans among {', '.join(study.PLANS)}; got nope"]
 
 
 def test_study_plot_without_matplotlib_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: import raises ImportError
-    assert study.run_main(study.main, ["plot"]) == 1
+    assert run_main(study.main, ["plot"]) == 1
     assert capsys.readouterr().err.splitlines() == ["error: plot needs matplotlib: pip install matplotlib"]
 
 
@@ -707,8 +709,8 @@ def test_acceptance_compares_losses_and_gradient_norms_step_by_step():
 
 
 def test_acceptance_signal_stop_counts_the_steps_lost():
-    stopped = "step 3/1000 | loss 5\nSIGTERM: saving a checkpoint\nstep 4/1000 | loss 4\ncheckpoint: step 4\n" \
-              "stopped at step 4 (SIGTERM); checkpoint saved\n"
+    stopped = "step 3/1000 | loss 5\nstep 4/1000 | loss 4\ncheckpoint: step 4, 0.01 GB in 0.1 s\n" \
+              "stopped at step 4 (SIGTERM); checkpoint saved: add --resume to go on\n"
     assert acceptance.saved_step(stopped) == 4
     assert acceptance.steps_lost(stopped, 4, "step 5/1000 | loss 3\n") == 0
     assert acceptance.steps_lost(stopped, 3, "step 4/1000 | loss 3\n") == 1  # saved a step before the last
@@ -802,9 +804,8 @@ def test_acceptance_fails_the_bug_each_check_is_named_for(train_data, tmp_path):
     loss (eval), LEV's backward dropping a partial last seed chunk (lev_reference: the toy's chunks are ragged),
     DDP's gradients summed instead of averaged (ddp_one_gpu), the loss's backward ignoring its incoming gradient
     (grad_reference: the bench compiles into a fresh cache, so an earlier run's graphs cannot hide it)."""
-    bugs = {"train.py": [("loss, bits_per_byte = nats.sum() / tokens.sum(),", "loss, bits_per_byte = nats.sum() / "
-                          "tokens.sum() / 2,"), ("(loss / run.accum).backward()", "(loss * run.world / run.accum)"
-                                                 ".backward()")],
+    bugs = {"train.py": [("loss = nats.sum() / tokens.sum()\n", "loss = nats.sum() / tokens.sum() / 2\n"),
+                         ("(loss / run.accum).backward()", "(loss * run.world / run.accum).backward()")],
             "leviathan.py": [("for d in range(0, seed_dim, size)]", "for d in range(0, seed_dim, size) "
                                                                     "if d == 0 or d + size <= seed_dim]"),
                              ("return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype)",
@@ -970,17 +971,19 @@ def test_lev_variant_knot_scale_starts_as_lev_and_learns_its_scale():
 
 def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(train_data, tmp_path, monkeypatch,
                                                                                capsys):
-    """A variant run stopped at step 2 of 4 (lev_variants.main in this process), then resumed to the
-    end by the sweep's command for it (python -m experiments.lev_variants ... --resume): the learnt
-    knot scale is in both checkpoints, and moved in each part."""
+    """A variant run stopped at step 2 of 4 (lev_variants.main in this process, train.py's tables left as
+    they are), then resumed to the end by the sweep's command for it (python -m experiments.lev_variants
+    ... --resume): the learnt knot scale is in both checkpoints, and moved in each part. The checkpoint is
+    the variant's: train.py and sample.py (leviathan.py's LEV) fail to load it, naming its marker, and
+    lev_variants refuses to read it as another variant's."""
     monkeypatch.chdir(HERE)  # the module runs from the repository root, as the study does
     monkeypatch.setattr(leviathan, "LEV", leviathan.LEV)  # main() replaces it: restored after the test
-    for name in ("OPTIONS", "DEFAULTS"):  # main() adds --lev_variant to train.py's: copies, gone after the test
-        monkeypatch.setattr(train, name, dict(getattr(train, name)))
+    tables = copy.deepcopy((train.OPTIONS, train.DEFAULTS, train.SIZES, train.RESUME_FREE))
     out = tmp_path / "run"
     options = [f"--data_dir={train_data}", *TRAIN_ARGS, "--embedding=lev", "--total_tokens=2048", "--eval_interval=2",
                "--lev_variant=knot-scale"]
     assert lev_variants.main([*options, f"--out_dir={out}", "--stop_step=2"]) == 0
+    assert (train.OPTIONS, train.DEFAULTS, train.SIZES, train.RESUME_FREE) == tables
     scale_at_stop = torch.load(out / "ckpt.pt", weights_only=False)["model"]["lev.scale"]
     assert not runs.finished(out) and not torch.equal(scale_at_stop, torch.full_like(scale_at_stop, 3.0))
     capsys.readouterr()
@@ -990,16 +993,30 @@ def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(tra
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and " python -m experiments.lev_variants --data_dir=" in printed[0]
     assert printed[0].endswith(f"--out_dir={out} --resume")
-    assert json.loads((out / "config.json").read_text())["train"]["lev_variant"] == "knot-scale"
-    # the variant is the run's: train.py and sample.py (leviathan.py's LEV) refuse its checkpoint, and so does
-    # a resume under another variant
-    r = run_script("train.py", f"--out_dir={out}", "--eval_only")
-    assert_one_error_line(r.returncode, r.stderr, "options this train.py lacks (lev_variant)",
-                          "experiments.lev_variants")
-    r = run_script("sample.py", f"--out_dir={out}", "--max_new_tokens=4")
-    assert_one_error_line(r.returncode, r.stderr, "options this train.py lacks (lev_variant)")
+    assert lev_variants.saved_variant(out / "ckpt.pt") == "knot-scale"
+    for script, args in (("train.py", ["--eval_only", f"--data_dir={train_data}"]), ("sample.py", ["--max_new_tokens=4"])):
+        r = run_script(script, f"--out_dir={out}", *args)
+        assert r.returncode != 0 and '"lev.variant_knot_scale"' in r.stderr, (script, r.stderr)
     r = run_module("lev_variants", *options[:-1], "--lev_variant=raw-basis", f"--out_dir={out}", "--eval_only")
-    assert "error: the checkpoint comes from a different config: lev_variant=knot-scale there, raw-basis here" in r.stderr
+    assert_one_error_line(r.returncode, r.stderr, "holds the knot-scale variant's LEV, not the raw-basis variant's",
+                          "--lev_variant=knot-scale")
+
+
+def test_a_raw_basis_checkpoint_is_refused_where_leviathans_lev_would_load_it(tmp_path, monkeypatch):
+    """raw-basis has LEV's parameters, name for name: only its marker keeps leviathan.py's Model (train.py,
+    sample.py, the export) from loading its weights as LEV's, and tells lev_variants which variant a
+    checkpoint holds."""
+    with monkeypatch.context() as m:
+        m.setattr(leviathan, "LEV", lev_variants.RawBasisLEV)  # as lev_variants.main builds the model
+        variant = micro_model("lev").state_dict()
+    plain = micro_model("lev")
+    assert {k for k in variant if not k.startswith("lev.variant_")} == set(plain.state_dict())
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "lev\.variant_raw_basis"'):
+        plain.load_state_dict(variant)
+    for name, state in (("variant", variant), ("plain", plain.state_dict())):
+        torch.save({"model": state}, tmp_path / f"{name}.pt")
+    assert lev_variants.saved_variant(tmp_path / "variant.pt") == "raw-basis"
+    assert lev_variants.saved_variant(tmp_path / "plain.pt") is None
 
 
 def test_lev_variants_main_refuses_a_missing_or_unknown_variant():
@@ -1140,8 +1157,8 @@ def test_a_refused_compare_writes_nothing_and_a_held_one_is_refused(tmp_path, mo
     its holder, before any arm is touched."""
     out = tmp_path / "cmp"
     monkeypatch.setattr(compare, "train", lambda args, arm: pytest.fail("trained"))
-    code = run_main(compare.compare, ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--lr=0"])
-    assert_one_error_line(code, capsys.readouterr().err, "--lr=0.0: must be > 0")
+    code = run_main(compare.compare, ["--size=tiny", "--tasks=", f"--out_dir={out}", "--", "--log_interval=0"])
+    assert_one_error_line(code, capsys.readouterr().err, "--log_interval and --ckpt_interval must be at least 1")
     assert not out.exists()
     out.mkdir()
     holder = prep.hold_folder(str(out))  # a running compare's hold

@@ -1,0 +1,64 @@
+"""A script run as `python SCRIPT` runs it, with what torch did in it written to a JSON file: what
+the acceptance run checks of a train.py run that train.py itself does not report.
+
+    python -m experiments.observe OBSERVED.json train.py [train.py's options]
+    torchrun --nproc_per_node=2 -m experiments.observe OBSERVED.json train.py [...]  # rank 0 writes
+
+Observers are installed in torch before the script starts (the script is not changed):
+- after every optimizer step, TorchDynamo's counters: graphs compiled so far, graph breaks met;
+- the gradient communication hook given to DDP (register_comm_hook), by its name.
+OBSERVED.json is rewritten whole after each of them (a run killed part-way leaves what it did):
+    {"comm_hook": "bf16_compress_hook", or "none" while none is registered,
+     "steps": [{"graphs": ..., "graph_breaks": ...}, ...]}   # after this process's step 1, 2, ...
+"""
+import os
+import runpy
+import sys
+if not __package__:  # run as a path (python experiments/x.py): the repository is out of reach
+    sys.exit("error: run it from the repository's root as: python -m experiments.observe")
+
+from torch._dynamo.utils import counters
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from prepare_data import write_json
+
+
+def observe(path):
+    """Install the observers; each writes to path what has been observed so far (rank 0 alone)."""
+    observed = dict(comm_hook="none", steps=[])
+    writes = os.environ.get("RANK", "0") == "0"  # torchrun's rank; every rank sees the same
+
+    def save():
+        if writes:
+            write_json(path, observed)
+
+    def after_step(optimizer, args, kwargs):
+        observed["steps"].append(dict(graphs=counters["stats"]["unique_graphs"],
+                                      graph_breaks=sum(counters["graph_break"].values())))
+        save()
+
+    register_comm_hook = DistributedDataParallel.register_comm_hook
+
+    def register_observed(ddp, state, hook):
+        register_comm_hook(ddp, state, hook)  # DDP's checks first: a hook it refuses is not in use
+        observed["comm_hook"] = hook.__name__
+        save()
+
+    register_optimizer_step_post_hook(after_step)
+    DistributedDataParallel.register_comm_hook = register_observed
+    save()
+
+
+def main(argv):
+    if len(argv) < 2:
+        sys.exit("usage: python -m experiments.observe OBSERVED.json SCRIPT [ARGS]")
+    path, script, *args = argv
+    observe(path)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # `python SCRIPT` puts it first
+    runpy.run_path(script, run_name="__main__")  # its sys.exit is this process's
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
