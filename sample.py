@@ -23,12 +23,6 @@ def load_model(out_dir, device="cpu"):
     path = os.path.join(out_dir, "ckpt.pt")
     # mmap: a tensor is read from the disk when load_state_dict copies it, not all of them up front
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    # experiments.lev_variants trains another LEV under the same weight names: leviathan.py's LEV
-    # would load a raw-basis run without a complaint and sample a model nobody trained.
-    variant = checkpoint.get("train_config", {}).get("lev_variant")
-    if variant:
-        raise UserError(f"{path} was trained with options this train.py lacks (lev_variant): its "
-                        f"LEV is experiments.lev_variants' {variant}, which sample.py cannot build")
     # A run that diverged: greedy decoding would take the argmax of nan logits, id 0, and print it
     # as if it were text.
     broken = [name for name, tensor in checkpoint["model"].items()

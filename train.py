@@ -125,7 +125,7 @@ def check_resumed(given, saved):
         raise UserError(f"the checkpoint was trained with other {', '.join(changed)}: leave "
                         "them out to resume, or train anew in another --out_dir")
     unknown = [k for k, v in saved.items() if k not in OPTIONS and v]
-    if unknown:  # another tool's option (experiments.lev_variants): it would be dropped
+    if unknown:  # a newer train.py's option, which this one would drop
         raise UserError(f"the checkpoint was trained with {', '.join(unknown)}, which this "
                         "train.py lacks: resume it with the command that trained it")
 

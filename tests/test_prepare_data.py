@@ -454,3 +454,20 @@ def test_a_held_folder_is_refused_to_another_holder_until_let_go(tmp_path):
     assert "or another --hf_dir" in str(refused.value)
     first.close()
     prep.hold_folder(str(tmp_path)).close()
+
+
+def test_a_folder_of_other_shards_or_settings_is_never_written_over(tmp_path):
+    """The same --out_dir given to another command: its shards (no progress.json: another command's, or
+    copied in), or data prepared with other settings, are refused in one line and left byte for byte."""
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps({"text": f"document number {i} " * 3}) for i in range(300)) + "\n")
+    args = [f"--dataset={src}", f"--out_dir={tmp_path / 'out'}", "--vocab_size=2000", "--workers=1"]
+    assert run_script("prepare_data.py", *args).returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    r = run_script("prepare_data.py", *args[:-2], "--vocab_size=3000", "--workers=1")
+    assert_one_error_line(r.returncode, r.stderr, "prepared with other settings (vocab_size)")
+    (tmp_path / "out" / "progress.json").unlink()
+    del before["progress.json"]
+    r = run_script("prepare_data.py", *args)
+    assert_one_error_line(r.returncode, r.stderr, "holds another command's shards")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before

@@ -101,7 +101,7 @@ def test_cli_prompt_sources_and_stop_at_eot(tmp_path, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Run folders: a good one, one whose tokenizer fills the head (no padding rows), one whose
-    weights hold nan, one trained with a LEV variant."""
+    weights hold nan."""
     root = tmp_path_factory.mktemp("runs")
     model = random_model("lev")
     state = model.state_dict()
@@ -110,9 +110,7 @@ def runs(tmp_path_factory):
     diverged = {**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)}
     return {"good": save_run(root / "good", model),
             "unpadded": save_run(root / "unpadded", model, data_meta=unpadded),
-            "nan": save_run(root / "nan", model, state=diverged),
-            # a raw-basis LEV has leviathan.py's LEV's weight names and shapes: they load without a complaint
-            "variant": save_run(root / "variant", model, train_config={"lev_variant": "raw-basis"})}
+            "nan": save_run(root / "nan", model, state=diverged)}
 
 
 REFUSED = {  # name -> (run, options, what the error line says)
@@ -125,8 +123,6 @@ REFUSED = {  # name -> (run, options, what the error line says)
     "top_p above one": ("good", ["--top_p=95"], "--top_p=95.0 is not in (0, 1]"),
     # greedy decoding of nan logits: id 0, again and again, printed as text
     "nan weights": ("nan", ["--temperature=0"], "norm.weight hold nan or inf", "earlier checkpoint"),
-    # leviathan.py's LEV in place of the variant's: another model than the one trained
-    "LEV variant": ("variant", [], "(lev_variant)", "raw-basis"),
 }
 
 
@@ -141,9 +137,8 @@ def test_a_refused_value_is_one_error_line_before_any_text(runs, case, capsys):
 
 def test_load_model_refuses_the_checkpoints_that_would_sample_another_model(runs):
     """The export and experiments.evaluate read runs through load_model: they get the same refusals."""
-    for run, phrase in [("nan", "hold nan or inf"), ("variant", "lev_variant")]:
-        with pytest.raises(UserError, match=re.escape(phrase)):
-            load_model(runs[run])
+    with pytest.raises(UserError, match=re.escape("hold nan or inf")):
+        load_model(runs["nan"])
 
 
 # Every other mistake is named by argparse, leviathan's Config, Python or torch; main turns an
@@ -163,8 +158,8 @@ def test_an_oserror_or_valueerror_is_one_error_line(runs, tmp_path, capsys):
 
 
 def test_a_refusal_in_a_process_is_one_line_and_status_1(runs):
-    r = run_script("sample.py", f"--out_dir={runs['variant']}")
-    assert_one_error_line(r.returncode, r.stderr, "lev_variant")
+    r = run_script("sample.py", f"--out_dir={runs['nan']}")
+    assert_one_error_line(r.returncode, r.stderr, "hold nan or inf")
     assert r.returncode == 1 and r.stdout == ""
 
 

@@ -672,7 +672,7 @@ def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, cap
 
 
 def test_a_checkpoint_with_an_option_this_train_py_lacks(train_data, tmp_path, capsys):
-    """An option a checkpoint's train.py had and this one lacks (a newer train.py's, lev_variants.py's): set, it
+    """An option a checkpoint's train.py had and this one lacks (a newer train.py's): set, it
     shaped the run, so a resume is one error line naming it; left unset (false, 0 or empty), it changed
     nothing and the resume goes on."""
     out = tmp_path / "run"
