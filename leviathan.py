@@ -11,7 +11,7 @@ memory (skip it on a first reading). Imports only torch: copy this file alone. S
 """
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -180,6 +180,12 @@ class Config:
     def ffn_dim(self):
         """SwiGLU hidden size: 8/3 D (the parameters of a 4D GELU MLP), rounded up to 128."""
         return -(-8 * self.d_model // 3 // 128) * 128
+    @classmethod
+    def from_options(cls, options, n_ids):
+        """The Config of a tokenizer of n_ids ids (padded_vocab) whose other fields are options'
+        attributes of the same names: what train.py builds from its options."""
+        shape = {f.name: getattr(options, f.name) for f in fields(cls) if f.name != "vocab_size"}
+        return cls(vocab_size=padded_vocab(n_ids), **shape)
 
 def padded_vocab(n_ids):
     """n_ids rounded up to a multiple of 128 (tensor cores); padding ids are never sampled."""

@@ -8,7 +8,7 @@ evaluation, the checkpoint, the loop.
 """
 import argparse, datetime, importlib.util, json, math, os, signal, sys, time, uuid, zlib
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from leviathan import EMBEDDINGS, Config, Model, distinct_ids, padded_vocab, precision
+from leviathan import EMBEDDINGS, Config, Model, distinct_ids, precision
 from prepare_data import UserError, atomic_write, hold_folder, open_prepared, write_json
 
 # ---------------------------------------------------------------------------- the options
@@ -282,8 +282,7 @@ def set_up(argv):
                         "or another --out_dir")
     device, rank, world = setup_device(config)
     meta, splits, counts, byte_lengths = open_prepared(config.data_dir)
-    shape = {f.name: getattr(config, f.name) for f in fields(Config) if f.name != "vocab_size"}
-    model_config = Config(vocab_size=padded_vocab(meta["vocab_size"]), **shape)  # checks the shape
+    model_config = Config.from_options(config, meta["vocab_size"])  # Config checks the shape
     fingerprint, train, val = open_data(config, splits)
     if ckpt is not None:
         check_data(config, ckpt, meta, fingerprint)

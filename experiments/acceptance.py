@@ -684,7 +684,7 @@ def speed(records, micro_batches, run_dir, device_name):
 def shape_config(data_dir, shape):
     """The lev model of a shape (a size's options, or TOY's) at the data's vocabulary."""
     options = train.read_options(shape_argv(shape))
-    return runs.model_config(options, load_meta(data_dir)["vocab_size"])
+    return Config.from_options(options, load_meta(data_dir)["vocab_size"])
 
 def relative_error(got, want):
     """The largest |got - want|, relative to want's largest entry."""

@@ -42,7 +42,7 @@ DATA_IDS = {"data/demo": 8192, "data/pile": 200_019}
 def size_model(size, **overrides):
     """The model of a size in train.SIZES, on its own data's vocabulary, with some fields changed."""
     options = read_options([f"--size={size}"])
-    return dataclasses.replace(runs.model_config(options, DATA_IDS[options.data_dir]), **overrides)
+    return dataclasses.replace(Config.from_options(options, DATA_IDS[options.data_dir]), **overrides)
 
 
 def real_token_batch(tokenizer, batch, seq_len):

@@ -7,7 +7,6 @@ at a deadline, on Ctrl-C or on a SIGTERM to its caller gets SIGTERM unless the c
 checkpoint and exits, and `--resume` continues it.
 """
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -18,7 +17,6 @@ import sys
 import time
 
 from experiments.cli import read_json
-from leviathan import Config, padded_vocab
 from prepare_data import UserError
 from train import RESUME_FREE, RUN_FILES, read_options
 
@@ -77,13 +75,6 @@ def finished(run_dir, options=None):
                 f"{k}={saved.get(k)} there, {asked[k]} here" for k in changed) + "): delete it to train it "
                 "with these, or ask for the options it was trained with")
     return done
-
-
-def model_config(options, n_ids):
-    """The leviathan.Config train.py builds from its options (read_options') for n_ids token ids."""
-    shape = {f.name: getattr(options, f.name) for f in dataclasses.fields(Config)
-             if f.name != "vocab_size"}
-    return Config(vocab_size=padded_vocab(n_ids), **shape)
 
 
 def command(options, processes=1, observed=None):

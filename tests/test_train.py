@@ -24,7 +24,7 @@ import leviathan
 import train
 from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, assert_usage_error, exit_status,
                       logged_losses, prepare_corpus, run_script, train_cli)
-from leviathan import EMBEDDINGS, Config, Model, padded_vocab
+from leviathan import EMBEDDINGS, Config, Model
 import prepare_data as prep
 from test_leviathan import lev_param_formula
 
@@ -49,8 +49,7 @@ def set_up(train_data, out, *args):
 def size_model(size, embedding="lev"):
     """A size's model on o200k_base's 200,019 ids, as train.py builds it."""
     config = train.read_options([f"--size={size}", f"--embedding={embedding}"])
-    shape = {name: getattr(config, name) for name in Config.__dataclass_fields__ if name != "vocab_size"}
-    return Config(vocab_size=padded_vocab(200_019), **shape)
+    return Config.from_options(config, 200_019)
 
 
 def test_size_presets_match_the_paper():
