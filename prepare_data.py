@@ -402,7 +402,6 @@ def prepare(argv):
     return meta
 
 def main(argv):
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C stops at once; complete shards are kept
     try:
         splits = prepare(argv)["splits"]
     except (OSError, ValueError) as e:  # a refusal (UserError), a path, a full disk: one line
@@ -446,4 +445,6 @@ def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
 
 if __name__ == "__main__":
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (`cmd &`)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C stops at once; whole shards are kept
     sys.exit(main(sys.argv[1:]))

@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -384,9 +385,12 @@ def test_an_out_dir_under_a_file_is_the_os_errors_one_line(tmp_path, capsys):
 
 
 def test_a_complete_folder_prepared_again_writes_nothing(tmp_path, monkeypatch, capsys):
-    """The same command over a complete data folder (a shared, read-only dataset) says it is done."""
+    """The same command over a complete data folder (a shared, read-only dataset) says it is done.
+    main, called in-process, leaves the caller's Ctrl-C handling as it was."""
     args = ["--dataset=demo", f"--out_dir={tmp_path / 'demo'}", "--workers=1"]
+    handler = signal.getsignal(signal.SIGINT)
     assert prep.main(args) == 0
+    assert signal.getsignal(signal.SIGINT) is handler
     capsys.readouterr()
     def refuse(path, *_, **__):
         raise PermissionError(13, "Permission denied", path)
