@@ -37,15 +37,6 @@ def load_model(out_dir, device="cpu"):
     model.load_state_dict(checkpoint["model"])
     return model.eval(), tokenizer, checkpoint["step"]
 
-def check_device(name):
-    """A --device this machine cannot use, as one line: experiments/evaluate.py asks before it
-    spends time on its tasks (sample.py's generator meets its device before the model loads)."""
-    try:
-        torch.empty(0, device=name)
-    except (RuntimeError, AssertionError) as error:  # AssertionError: a torch built without CUDA
-        reason = str(error).splitlines()[0]
-        raise UserError(f"device {name!r} is not usable here: {reason}") from None
-
 class TextStream:
     """Decodes one token at a time. A UTF-8 character can be split over tokens: its first bytes
     wait until the rest arrive, so that a half character is never printed."""

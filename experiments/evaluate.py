@@ -32,7 +32,7 @@ import torch
 from experiments.cli import read_json, run_main
 from leviathan import precision
 from prepare_data import UserError, hold_folder, write_json
-from sample import check_device, load_model
+from sample import load_model
 
 try:
     import lm_eval
@@ -271,6 +271,15 @@ def check_limit(saved, tasks, limit, path):
         if task in saved and (there := saved[task].get("limit")) != limit:
             raise UserError(f"{path} holds {task} evaluated on {examples(there)}, this run asks for "
                             f"{examples(limit)}: pass the same --limit, or move the file aside")
+
+
+def check_device(name):
+    """A --device this machine cannot use, as one line, before any time is spent on the tasks."""
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError) as error:  # AssertionError: a torch built without CUDA
+        reason = str(error).splitlines()[0]
+        raise UserError(f"device {name!r} is not usable here: {reason}") from None
 
 
 def evaluate(args):
