@@ -139,7 +139,7 @@ def setup_device(config):
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}: unset both, or use torchrun")
     if config.deterministic:  # cuBLAS repeats its sums only with a fixed workspace, set before use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True)  # inductor's deterministic mode too, where torch has it
     if config.device == "cpu" or config.device == "auto" and not torch.cuda.is_available():
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments) are slow on x86
         device = torch.device("cpu")

