@@ -53,7 +53,7 @@ OPTIONS = dict(  # name=(tiny's default, what it does); each of SIZES sets its o
     ckpt_interval=(200, "save ckpt.pt every this many steps, and at the end"),
     eval_only=(False, "evaluate out_dir/ckpt.pt, train nothing"),
     resume=(False, "continue from out_dir/ckpt.pt"),
-    stop_step=(0, "save and exit at this step, the schedule unchanged (0: never)"),
+    stop_step=(0, "save and exit at this step, the schedule unchanged (0: never; not resumed)"),
     device=("auto", "auto (cuda if there is a GPU) | cpu | cuda"),
     compile=(None, "torch.compile (default: on CUDA only)"),
     bf16=(None, "bf16 autocast, LEV and the softmax in float32 (default: on CUDA only)"),
@@ -108,7 +108,7 @@ def read_options(argv, saved=None):
     given = vars(parser.parse_args(argv))
     if saved is not None:  # resuming: the checkpoint's options, under those given
         check_resumed(given, saved)
-        defaults = {**DEFAULTS, **saved}
+        defaults = {**DEFAULTS, **saved, "stop_step": 0}  # a plain --resume goes on to the end
     config = SimpleNamespace(**{**defaults, **given})
     if config.embedding == "tied" and config.lr_head != 1.0:  # would be ignored
         raise UserError("--lr_head must be 1 in the tied arm, whose table is the head: --lr_input")
@@ -139,7 +139,7 @@ def setup_device(config):
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}: unset both, or use torchrun")
     if config.deterministic:  # cuBLAS repeats its sums only with a fixed workspace, set before use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)  # inductor's deterministic mode too, where torch has it
+        torch.use_deterministic_algorithms(True)  # recent torch: inductor's deterministic mode too
     if config.device == "cpu" or config.device == "auto" and not torch.cuda.is_available():
         torch.set_flush_denormal(True)  # denormal floats (tiny Adam moments) are slow on x86
         device = torch.device("cpu")
@@ -549,10 +549,15 @@ def main(argv):
     try:
         run = set_up(argv)
         config = run.config
-        final = os.path.join(config.out_dir, f"eval_step{run.max_steps}.json")
-        if config.eval_only or run.step == run.max_steps and not os.path.exists(final):
-            evaluate(run)  # --eval_only; or the final evaluation, which a kill cut short
+        due = run.step > 0 and (run.step % config.eval_interval == 0 or run.step == run.max_steps)
+        evaluated = os.path.exists(os.path.join(config.out_dir, f"eval_step{run.step}.json"))
+        if config.eval_only or due and not evaluated:
+            evaluate(run)  # --eval_only; or the step's, which a kill or a preemption cut short
         if config.eval_only:
+            return shut_down(run, 0)
+        if 0 < config.stop_step <= run.step:  # a requeued job: the step asked is reached already
+            if run.rank == 0:
+                say(f"step {run.step}: --stop_step={config.stop_step} reached; nothing to train")
             return shut_down(run, 0)
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
             if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored

@@ -525,6 +525,32 @@ def test_a_run_killed_in_its_final_evaluation_evaluates_when_resumed(train_data,
     assert (out / "log.jsonl").read_text() == "".join(log)
 
 
+def test_a_run_preempted_or_killed_before_an_evaluation_makes_it_when_resumed(train_data, tmp_path):
+    """The evaluation due at the step a run stopped at, missing (a preemption skips it; a kill cut it short), is
+    made first on --resume, with its log record, before training goes on."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=4096", "--eval_interval=2", "--stop_step=2")
+    (out / "eval_step2.json").unlink()
+    log = (out / "log.jsonl").read_text().splitlines(keepends=True)
+    (out / "log.jsonl").write_text("".join(r for r in log if json.loads(r)["type"] != "eval"))
+    r = train_cli(train_data, out, "--total_tokens=4096", "--eval_interval=2", "--log_interval=1", "--resume")
+    assert r.stdout.index("eval step 2:") < r.stdout.index("step 3/8")
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [2, 4, 6, 8] and (out / "eval_step2.json").exists()
+
+
+def test_a_requeued_job_at_its_stop_step_trains_nothing(train_data, tmp_path):
+    """--stop_step S asked again of a run at step S or past it (a requeued job, the same command): it exits 0
+    without a step, its checkpoint and log untouched, where it would otherwise train on to the end."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=4096", "--stop_step=2")
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")}
+    for stop in (2, 1):
+        r = train_cli(train_data, out, "--total_tokens=4096", f"--stop_step={stop}", "--resume")
+        assert f"step 2: --stop_step={stop} reached; nothing to train" in r.stdout
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 # ---------------------------------------------------------------------------- checkpoint and resume
 def test_checkpoint_loads_with_weights_only(train_data, tmp_path):
     out = tmp_path / "run"
