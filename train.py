@@ -6,7 +6,7 @@
 Read top to bottom: the options, the set-up (processes, data, model, resume), the step,
 evaluation, the checkpoint, the loop.
 """
-import argparse, datetime, importlib.util, json, math, os, signal, sys, time, uuid, zlib
+import argparse, datetime, importlib.util, json, math, os, shutil, signal, sys, time, uuid, zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -324,6 +324,10 @@ def open_outputs(run):
     os.makedirs(config.out_dir, exist_ok=True)
     run.lock = hold_folder(config.out_dir)  # a requeued job beside its twin: both would save
     params = run.raw_model.param_counts()
+    need = 12 * params["total"]  # ckpt.pt: float32 weights and AdamW's two moments, each saved beside the last
+    if shutil.disk_usage(config.out_dir).free < need:  # else the first save, hours in, would find out
+        raise UserError(f"{config.out_dir} has less than the {need / 1e9:.1f} GB a checkpoint needs: "
+                        "free space there, or give another --out_dir")
     say(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
     say(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x "
         f"{run.device.type}, {run.accum} micro-steps of {config.micro_batch} x {config.seq_len}")

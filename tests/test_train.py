@@ -678,6 +678,23 @@ def test_a_new_run_never_starts_over_another_runs_files(train_data, tmp_path, ca
         assert os.listdir(out) == [name] and (out / name).read_text() == "{}\n"
 
 
+def test_a_run_without_room_for_its_checkpoint_is_refused_before_training(train_data, tmp_path, monkeypatch):
+    """A folder whose disk cannot hold one more checkpoint (12 bytes a parameter: weights and AdamW's moments)
+    is refused before a step or a file of the run, not at the first save."""
+    probe = set_up(train_data, tmp_path / "probe")
+    probe.lock.close()
+    params, out = probe.raw_model.param_counts()["total"], tmp_path / "run"
+    real = shutil.disk_usage
+    for free, refused in ((12 * params - 1, True), (12 * params, False)):
+        monkeypatch.setattr(train.shutil, "disk_usage", lambda path: real(path)._replace(free=free))
+        if refused:
+            with pytest.raises(prep.UserError, match="less than the .* GB a checkpoint needs"):
+                set_up(train_data, out)
+            assert os.listdir(out) == [".lock"]
+        else:
+            set_up(train_data, out).lock.close()
+
+
 def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, capsys):
     """A resume with options that change the loss curve, or on another tokenizer's data, is refused before
     anything is written; a resume with no checkpoint is the OS's one line."""
