@@ -331,7 +331,7 @@ class Model(nn.Module):
                        self.cfg.d_model // self.cfg.n_head, p.device, p.dtype)
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place (same state_dict keys); see "What torch.compile sees"."""
+        """torch.compile in place (same state_dict keys); what it sees: compile_lev."""
         if self.cfg.embedding == "lev":
             compile_lev(self.lev, **options)
         nn.Module.compile(self, dynamic=dynamic, **options)
@@ -718,17 +718,17 @@ def linear_cross_entropy(x, weight, targets, reduction="mean"):
     return chunked_cross_entropy(x, weight, targets, dtype, with_grads)[0]
 
 # -------------------------------------------------------------------------- what torch.compile sees
-# - LEV.forward stays out: torch.unique's output size changes every batch, the backbone's never.
-# - separable_modes stays out: traced, its backward's rebuilt phi would be merged with the forward's
-#   and saved. Its kernels are compiled on their own (Fused), as only then does phi stay in
-#   registers, unless a call is too small (FUSE_MIN_FLOATS) to repay seconds of compiling.
-# - Model.compile: the model in place, and LEV.generate for any number of ids (compile_lev).
-# - The loss is one custom-op call; inside it, on a GPU, each chunk's softmax step is Fused.
 
 def compile_lev(lev, **options):
-    """LEV.generate compiled for any number of ids; its product stays out of the graph, its
-    kernels Fused. Split reductions off, as in Fused: a resumed run's first call (other ids) must
-    not change how it sums."""
+    """LEV.generate compiled for any number of ids (Model.compile calls it; the model is compiled in
+    place). What the compiler sees, and why:
+    - LEV.forward stays out: torch.unique's output size changes every batch, the backbone's never.
+    - separable_modes stays out: traced, its backward's rebuilt phi would be merged with the
+      forward's and saved. Its kernels are compiled on their own (Fused), as only then does phi stay
+      in registers, unless a call is too small (FUSE_MIN_FLOATS) to repay seconds of compiling.
+    - The loss is one custom-op call; inside it, on a GPU, each chunk's softmax step is Fused.
+    Split reductions off, as in Fused: a resumed run's first call (other ids) must not change how
+    it sums."""
     if options.get("backend", "inductor") == "inductor":
         options.setdefault("options", {"split_reductions": False})
     lev.generate = torch.compile(lev.generate, dynamic=True, **options)

@@ -159,7 +159,7 @@ LIMITS = {
     # of an H100's peak; 20% leaves room for LEV and the loss, and catches eager runs or a sync per kernel.
     "mfu 1.2b": 0.20,
     # Graph breaks TorchDynamo met in the 1.2b run: LEV.forward and the product stay out of the graphs on
-    # purpose (leviathan.py, "What torch.compile sees"), a handful; one per block would be 16 or more.
+    # purpose (leviathan.py, compile_lev's docstring), a handful; one per block would be 16 or more.
     "graph_breaks 1.2b": 10,
     # Graphs compiled after its second step, when every shape has been met: a guard failed by a new id
     # bucket may cost one or two; a graph per step means the shapes are not bounded.
