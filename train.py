@@ -164,10 +164,14 @@ def join_process_group(backend, device, rank, world):
                             device_id=device if backend == "nccl" else None)
 
 def agree(config, fingerprint, world):
-    """One collective before DDP's first: every rank's loss-changing options and data are rank 0's
-    (a node started with another --lr, or other data, would otherwise train on without a sign)."""
+    """One collective before DDP's first: every rank's loss-changing options, data and code are rank
+    0's (a node started with another --lr, other data or another checkout would otherwise train on
+    without a sign)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, name) for name in ("train.py", "leviathan.py", "prepare_data.py")]
+    code = [zlib.crc32(open(path, "rb").read()) for path in files]
     ranks = [None] * world
-    dist.all_gather_object(ranks, dict(vars(config), data=fingerprint))
+    dist.all_gather_object(ranks, dict(vars(config), data=fingerprint, code=code))
     for r, theirs in enumerate(ranks):
         differ = [k for k in theirs if k not in RESUME_FREE and theirs[k] != ranks[0][k]]
         if differ:
@@ -324,10 +328,11 @@ def open_outputs(run):
     os.makedirs(config.out_dir, exist_ok=True)
     run.lock = hold_folder(config.out_dir)  # a requeued job beside its twin: both would save
     params = run.raw_model.param_counts()
-    need = 12 * params["total"]  # ckpt.pt: float32 weights and AdamW's two moments, each saved beside the last
-    if shutil.disk_usage(config.out_dir).free < need:  # else the first save, hours in, would find out
-        raise UserError(f"{config.out_dir} has less than the {need / 1e9:.1f} GB a checkpoint needs: "
-                        "free space there, or give another --out_dir")
+    # room for one more ckpt.pt (float32 weights, AdamW's moments): else the first save finds out
+    need = 12 * params["total"]
+    if shutil.disk_usage(config.out_dir).free < need:
+        raise UserError(f"{config.out_dir} has less than the {need / 1e9:.1f} GB a checkpoint "
+                        "needs: free space there, or give another --out_dir")
     say(f"config: {json.dumps(outputs['train'])}\nmodel: {json.dumps(outputs['model'])}")
     say(f"parameters: {', '.join(f'{k} {v:,}' for k, v in params.items())}; {run.world} x "
         f"{run.device.type}, {run.accum} micro-steps of {config.micro_batch} x {config.seq_len}")

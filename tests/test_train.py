@@ -178,26 +178,34 @@ def test_a_stale_torchrun_environment_says_what_it_waits_for(train_data, tmp_pat
         proc.wait()
 
 
-def start_rank(rank, port, data_dir, out_dir, *args):
+def start_rank(rank, port, data_dir, out_dir, *args, checkout=HERE):
     """train.py as rank `rank` of 2 on this machine, as a node of its own starts it (torchrun's variables)."""
     env = dict(SCRIPT_ENV, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(checkout))
     return subprocess.Popen([sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}",
-                             *TRAIN_ARGS, "--total_tokens=2048", *args], cwd=HERE, env=env,
+                             *TRAIN_ARGS, "--total_tokens=2048", *args], cwd=checkout, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("case", ["lr", "data"])
+@pytest.mark.parametrize("case", ["lr", "data", "code"])
 def test_ranks_that_disagree_are_refused_by_every_rank_before_any_step(train_data, tmp_path, case):
-    """Two nodes' ranks: rank 1 started with another --lr, or another data folder, is named with the option
-    by every rank before any step (else both train on, exit 0). Nothing is trained or saved."""
+    """Two nodes' ranks: rank 1 started with another --lr, another data folder, or from another checkout (its
+    leviathan.py changed), is named with the option by every rank before any step (else both train on, exit
+    0). Nothing is trained or saved."""
     other = tmp_path / "other"
     shutil.copytree(train_data, other)
     shard = prep.shard_paths(other, "train")[0]
     prep.write_shard(shard, prep.read_shard(shard)[:][::-1], 512)  # the same tokens, in another order
-    rank1 = {"lr": (train_data, "--lr=1e-3"), "data": (other,)}[case]
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("train.py", "leviathan.py", "prepare_data.py"):
+        shutil.copy(os.path.join(HERE, name), checkout / name)
+    with open(checkout / "leviathan.py", "a") as f:
+        f.write("EPS = 1e-5  # another checkout's line\n")
+    rank1 = {"lr": (train_data, "--lr=1e-3"), "data": (other,), "code": (train_data,)}[case]
     port = 29500 + os.getpid() % 400
-    procs = [start_rank(0, port, train_data, tmp_path / "o"), start_rank(1, port, rank1[0], tmp_path / "o", *rank1[1:])]
+    procs = [start_rank(0, port, train_data, tmp_path / "o"),
+             start_rank(1, port, rank1[0], tmp_path / "o", *rank1[1:], checkout=checkout if case == "code" else HERE)]
     outputs = [proc.communicate(timeout=120) for proc in procs]
     errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, err in outputs]
     assert [proc.returncode for proc in procs] == [1, 1] and all(len(e) == 1 for e in errors), outputs
