@@ -44,16 +44,23 @@ def write_shard(path, tokens, vocab_size):
 @dataclass(frozen=True)
 class Shard:
     """A shard's n tokens, read from its file when sliced (shard[:] for all). Each read opens and
-    closes the file: thousands of shards hold none open (memory maps would, past ulimit -n)."""
+    closes the file: thousands of shards hold none open (memory maps would, past ulimit -n). A file
+    put in its place since it was opened (the data prepared again) is refused, not read as it."""
     path: str
     dtype: np.dtype
     n: int
+    identity: tuple  # the file's (inode, modification time) when opened
     def __len__(self):
         return self.n
     def __getitem__(self, window):
         start, stop, _ = window.indices(self.n)  # as a list's slice: shard[-5:] is the last five
-        offset = HEADER_BYTES + start * self.dtype.itemsize
-        return np.fromfile(self.path, self.dtype, max(0, stop - start), offset=offset)
+        with open(self.path, "rb") as f:
+            stat = os.fstat(f.fileno())
+            if (stat.st_ino, stat.st_mtime_ns) != self.identity:
+                raise UserError(f"{self.path} was replaced while in use: leave prepared data "
+                                "as it is while a run reads it")
+            f.seek(HEADER_BYTES + start * self.dtype.itemsize)
+            return np.fromfile(f, self.dtype, max(0, stop - start))
 
 def read_shard(path, vocab_size=None):
     """One shard as a Shard. Its header must agree with its size and (given) the data's vocabulary,
@@ -61,10 +68,11 @@ def read_shard(path, vocab_size=None):
     path = os.fspath(path)
     header = np.fromfile(path, "<i4", 5).tolist()
     magic, version, width, n, vocab = header + [0] * (5 - len(header))  # too short: refused below
-    whole = os.path.getsize(path) == HEADER_BYTES + n * width
+    stat = os.stat(path)
+    whole = stat.st_size == HEADER_BYTES + n * width
     if (magic, version) != (MAGIC, VERSION) or not whole or vocab_size not in (None, vocab):
         raise UserError(f"{path} is not a whole shard of this data: prepare the data again")
-    return Shard(path, np.dtype(f"<u{width}"), n)
+    return Shard(path, np.dtype(f"<u{width}"), n, (stat.st_ino, stat.st_mtime_ns))
 
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(glob.escape(os.fspath(data_dir)), f"{split}_[0-9]*.bin")))

@@ -449,6 +449,18 @@ def test_shards_are_read_without_holding_files_open(tmp_path):
     assert np.array_equal(shards[0][-5:], np.arange(95, 100)) and len(shards[0][200:300]) == 0
 
 
+def test_a_shard_replaced_while_in_use_is_refused_not_read(tmp_path):
+    """A run's shards, prepared again under the same names while it reads them (the same tokens or not): the
+    next read is one error naming the file, where it would otherwise train on the new file's tokens."""
+    path = tmp_path / "train_000000.bin"
+    prep.write_shard(path, np.arange(100), vocab_size=1000)
+    shard = prep.read_shard(path)
+    assert np.array_equal(shard[:3], [0, 1, 2])
+    prep.write_shard(path, np.arange(100), vocab_size=1000)  # renamed into place: another file
+    with pytest.raises(UserError, match=f"{path} was replaced while in use"):
+        shard[:3]
+
+
 def test_a_held_folder_is_refused_to_another_holder_until_let_go(tmp_path):
     """hold_folder: a second hold on a folder (here by the same process, as a second process would be) is
     refused in one line naming the folder and the holder; once the first lets go, the next hold succeeds."""
