@@ -251,8 +251,9 @@ def check_options(args):
     if os.path.exists(args.out_dir) and not (os.path.isdir(args.out_dir) and not os.listdir(args.out_dir)):
         raise UserError(f"--out_dir={args.out_dir} exists and is not an empty folder; the runs go there and it is "
                         "deleted at the end: give a new or empty folder")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise UserError(f"--json={args.json}: its folder does not exist")
+    folder = os.path.dirname(os.path.abspath(args.json))
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # else every figure is lost at the end
+        raise UserError(f"--json={args.json}: its folder does not exist or cannot be written")
     check_data(args.data_dir, args.toy)
 
 def check_data(data_dir, toy):

