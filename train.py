@@ -317,9 +317,14 @@ def check_data(config, ckpt, meta, fingerprint):
     if config.resume and ckpt["data"] != fingerprint:  # it would go on over other windows
         raise UserError(f"the data in {config.data_dir} changed since the checkpoint: resume on "
                         "its own data, or train anew in another --out_dir")
-    if config.eval_only and ckpt["data"] != fingerprint:  # other data: results beside the run's
-        other = "eval-" + os.path.basename(os.path.abspath(config.data_dir))
-        config.out_dir = os.path.join(config.out_dir, other)
+    # --eval_only on other data or tokens than the run's: results apart, in a folder named by what
+    # made them (a folder name alone may since point elsewhere), never over another's
+    asked = dict(data=fingerprint, eval_tokens=config.eval_tokens)
+    runs_own = dict(data=ckpt["data"], eval_tokens=ckpt["train_config"]["eval_tokens"])
+    if config.eval_only and asked != runs_own:
+        key = zlib.crc32(json.dumps(asked, sort_keys=True).encode())
+        name = os.path.basename(os.path.abspath(config.data_dir))
+        config.out_dir = os.path.join(config.out_dir, f"eval-{name}-{key:08x}")
 
 def open_outputs(run):
     """Rank 0's: out_dir made and held, the run described, config.json, the log cut back, W&B."""

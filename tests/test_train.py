@@ -498,19 +498,32 @@ def test_an_uneven_last_eval_batch_is_padded_to_the_same_shape(train_data, tmp_p
         assert result["val_loss"] == pytest.approx(forward(x, y, distinct=distinct).item(), abs=1e-5)
 
 
-def test_eval_only_on_other_data_is_written_apart_from_the_runs_own(train_data, tmp_path):
-    """--eval_only on a data folder the run did not train on (another validation set) writes into
-    <run>/eval-<folder>/ (its eval_step<N>.json and log); the run's own evaluation and log stay as they were."""
+def test_eval_only_on_other_data_or_tokens_is_written_apart_from_every_other_result(train_data, tmp_path):
+    """--eval_only on a data folder the run did not train on (another validation set), or with other
+    --eval_tokens, writes into <run>/eval-<folder>-<key>/ (its eval_step<N>.json and log), keyed by what made
+    it: the run's own evaluation and log stay as they were, and so does an earlier result on data that the
+    same folder name held then."""
     out, other = tmp_path / "run", tmp_path / "heldout"
     train_cli(train_data, out, "--total_tokens=2048")
     before = {name: (out / name).read_bytes() for name in ("eval_step4.json", "log.jsonl")}
     shutil.copytree(train_data, other)
     val = prep.shard_paths(other, "val")[0]
-    prep.write_shard(val, prep.read_shard(val)[:][::-1], 512)  # other validation text, the same tokenizer
-    r = train_cli(other, out, "--total_tokens=2048", "--eval_only")
-    apart = json.loads((out / "eval-heldout" / "eval_step4.json").read_text())
-    assert f"val loss {apart['val_loss']:.4f}" in r.stdout and "eval" in (out / "eval-heldout" / "log.jsonl").read_text()
-    assert apart["val_loss"] != json.loads(before["eval_step4.json"])["val_loss"]
+    tokens = prep.read_shard(val)[:]
+    results = {}
+    for text in (tokens[::-1], np.roll(tokens, 7)):  # other validation text, the same tokenizer, twice
+        prep.write_shard(val, text, 512)
+        r = train_cli(other, out, "--total_tokens=2048", "--eval_only")
+        folder = next(out / name for name in os.listdir(out)
+                      if name.startswith("eval-heldout-") and out / name not in results)
+        results[folder] = (folder / "eval_step4.json").read_bytes()
+        assert f"val loss {json.loads(results[folder])['val_loss']:.4f}" in r.stdout
+        assert "eval" in (folder / "log.jsonl").read_text()
+    r = train_cli(train_data, out, "--total_tokens=2048", "--eval_only", "--eval_tokens=1024")  # fewer tokens
+    folder = next(out / name for name in os.listdir(out) if name.startswith(f"eval-{train_data.name}-"))
+    assert json.loads((folder / "eval_step4.json").read_text())["eval_tokens"] == 1024
+    assert len(results) == 2
+    for earlier, kept in results.items():
+        assert (earlier / "eval_step4.json").read_bytes() == kept
     assert {name: (out / name).read_bytes() for name in before} == before
     train_cli(train_data, out, "--total_tokens=2048", "--eval_only")  # its own data: its own file, logged
     assert (out / "log.jsonl").read_text().count('"type": "eval"') == 2
