@@ -174,7 +174,12 @@ def find_files(spec, option="dataset"):
     files = sorted(f for f in found if f.endswith(SUFFIXES) and os.path.isfile(f))
     if not files:  # else an empty corpus, found only once a folder for it has been made
         raise UserError(f"--{option}={spec}: not found, or no {', '.join(SUFFIXES)} files there")
-    return files
+    # x.jsonl.zst beside x.jsonl: one corpus, compressed and not, read once (twice, each document
+    # would be trained on twice, and those the validation split holds out trained on too)
+    twice = [f for f in files if f.endswith(".zst") and f.removesuffix(".zst") in files]
+    for f in twice:
+        print(f"{f}: {f.removesuffix('.zst')} compressed, read once")
+    return [f for f in files if f not in twice]
 
 def _zstd_lines(path, f):
     """The lines of a .zst file, frame by frame (a file may hold several back to back), so that a
@@ -336,7 +341,9 @@ def _sources(args):
     # An explicit validation set, all of it; a file in both splits would test on trained text.
     if args.val:
         desc, val_files = f"{desc}; val: {os.path.abspath(args.val)}", find_files(args.val, "val")
-        shared = sorted(v for v in val_files for f in files if filecmp.cmp(v, f, shallow=False))
+        corpus = lambda path: os.path.abspath(path).removesuffix(".zst")  # compressed or not
+        shared = sorted(v for v in val_files for f in files
+                        if corpus(v) == corpus(f) or filecmp.cmp(v, f, shallow=False))
         if shared:
             raise UserError(f"--val and --dataset share {len(shared)} file(s) ({shared[0]}): "
                             "give --val its own files, or leave it out (then --val_fraction "
@@ -384,8 +391,10 @@ def prepare(argv):
     progress = _load_progress(out_dir, config)
     todo = [split for split in SPLITS if not progress["splits"][split]["done"]]
     complete = not todo and os.path.exists(os.path.join(out_dir, "meta.json"))
-    stamp = {os.path.abspath(f): [os.path.getsize(f), os.path.getmtime(f)] for f in files}
-    # Local files have no revision, but sizes and times.
+    stamp = {}  # local files have no revision: their contents' sha256 (a size or a time may stay)
+    for path in files:
+        with open(path, "rb") as f:
+            stamp[os.path.abspath(path)] = hashlib.file_digest(f, "sha256").hexdigest()
     if complete and load_meta(out_dir).get("inputs", stamp) != stamp:
         raise UserError(f"the files {out_dir} was made from changed since: "
                         "delete it and prepare it again")

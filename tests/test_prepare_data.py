@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -320,23 +321,47 @@ def test_error_midway_keeps_complete_shards_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("changed", ["c.jsonl", "v.txt"])
-def test_inputs_regenerated_under_a_complete_folder_are_refused(tmp_path, changed):
-    """A local corpus has no pinned revision: the same command over a complete folder whose input files were
-    written again since (another size or modification time) is one line, the folder untouched, not "done"
-    over the old shards. Untouched files, the same command: done (the test above: repaired midway, resumed)."""
+def test_inputs_rewritten_under_a_complete_folder_are_refused(tmp_path, changed):
+    """A local corpus has no pinned revision: the same command over a complete folder whose input files hold
+    other text since, even at the same size and modification time, is one line, the folder untouched, not
+    "done" over the old shards. The same bytes written again (another time): done."""
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(300)))
     (tmp_path / "v.txt").write_text("held-out text")
     args = [f"--dataset={tmp_path / 'c.jsonl'}", f"--val={tmp_path / 'v.txt'}", f"--out_dir={tmp_path / 'out'}",
             "--vocab_size=2000", "--workers=1"]
     assert run_script("prepare_data.py", *args).returncode == 0
-    assert run_script("prepare_data.py", *args).stdout.startswith("done: ")
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     path = tmp_path / changed
-    path.write_bytes(path.read_bytes())  # the same bytes, written again: a regenerated corpus shows no more
-    os.utime(path, (1, 1))  # (an older copy put back, say: any other time differs too)
+    path.write_bytes(path.read_bytes())  # the same text, written again at another time
+    assert run_script("prepare_data.py", *args).stdout.startswith("done: ")
+    stat = path.stat()
+    path.write_bytes(path.read_bytes().replace(b"e", b"a"))  # other text, the same size ...
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and modification time
     r = run_script("prepare_data.py", *args)
     assert_one_error_line(r.returncode, r.stderr, "the files", "changed since", "prepare it again")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
+def test_a_corpus_beside_its_compressed_copy_is_read_once(tmp_path):
+    """x.jsonl and x.jsonl.zst in one --dataset folder: one corpus in two forms, tokenized once (else every
+    document twice, and the validation split's documents in training too), with a line saying so; --val
+    naming the compressed form of a --dataset file is refused like the file itself."""
+    docs = [f"document number {i} " * 3 for i in range(200)]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "x.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    _write_zst(corpus / "x.jsonl.zst", docs)
+    (tmp_path / "alone").mkdir()
+    shutil.copy(corpus / "x.jsonl", tmp_path / "alone" / "x.jsonl")
+    args = ["--vocab_size=2000", "--workers=1"]
+    r = run_script("prepare_data.py", f"--dataset={corpus}", f"--out_dir={tmp_path / 'both'}", *args)
+    assert f"{corpus / 'x.jsonl.zst'}: {corpus / 'x.jsonl'} compressed, read once" in r.stdout
+    run_script("prepare_data.py", f"--dataset={tmp_path / 'alone'}", f"--out_dir={tmp_path / 'one'}", *args)
+    for split in ("train", "val"):
+        assert np.array_equal(_split_tokens(tmp_path / "both", split), _split_tokens(tmp_path / "one", split))
+    r = run_script("prepare_data.py", f"--dataset={corpus / 'x.jsonl'}", f"--val={corpus / 'x.jsonl.zst'}",
+                   f"--out_dir={tmp_path / 'out'}", *args)
+    assert_one_error_line(r.returncode, r.stderr, "--val and --dataset share 1 file(s)")
 
 
 def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
