@@ -17,7 +17,7 @@ import sys
 import time
 
 from experiments.cli import read_json
-from prepare_data import UserError
+from prepare_data import UserError, hold_folder
 from train import RESUME_FREE, RUN_FILES, read_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -171,10 +171,12 @@ def train(run_dir, options, processes=1, output=None, deadline=None, note=""):
     options = [*options, f"--out_dir={run_dir}"]
     if os.path.exists(os.path.join(run_dir, "ckpt.pt")):
         options.append("--resume")
-    else:  # stopped before its first checkpoint, nothing to resume: its files go (train.py
-        # refuses to start over them), and its evaluations, which would stand beside the new run's
-        for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
-            if name in RUN_FILES or re.fullmatch(r"eval_step\d+\.json", name):
-                os.remove(os.path.join(run_dir, name))
+    elif os.path.isdir(run_dir):  # stopped before its first checkpoint, nothing to resume: its files go
+        # (train.py refuses to start over them), and its evaluations, which would stand beside the new
+        # run's; not while the run is still going there (the command that started it killed alone)
+        with hold_folder(run_dir):
+            for name in os.listdir(run_dir):
+                if name in RUN_FILES or re.fullmatch(r"eval_step\d+\.json", name):
+                    os.remove(os.path.join(run_dir, name))
     print(f"{time.strftime('%H:%M')} {shown(command(options, processes))}{note}", flush=True)
     return wait(start(options, processes, output), deadline)

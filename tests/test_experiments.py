@@ -102,6 +102,20 @@ def test_a_damaged_config_or_evaluation_of_a_run_is_one_error_naming_it(train_da
         study.final_eval(tmp_path / "run")
 
 
+def test_a_run_still_going_keeps_its_files_when_its_command_is_run_again(train_data, tmp_path):
+    """A tool killed alone leaves its train.py run going (a session of its own), before its first checkpoint:
+    the tool run again must not delete that run's files to start it anew; the run's hold on its folder (here
+    this process's) is one error naming the holder, the files as they were."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("config.json", "log.jsonl", "eval_step2.json"):
+        (out / name).write_text("{}\n")
+    with prep.hold_folder(str(out)):
+        with pytest.raises(UserError, match=f"{out} is in use by process {os.getpid()}"):
+            runs.train(str(out), [f"--data_dir={train_data}", *TRAIN_ARGS], output=str(tmp_path / "output.txt"))
+    assert sorted(os.listdir(out)) == [".lock", "config.json", "eval_step2.json", "log.jsonl"]
+
+
 def test_a_run_stopped_part_way_is_resumed_and_then_finished(train_data, tmp_path, capsys):
     """runs.train: a run stopped at step 2 of 4 (evaluated there, not at its end) is not finished;
     run again, it continues from its checkpoint (--resume added, steps 3 and 4 only) and is."""
