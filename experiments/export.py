@@ -184,26 +184,32 @@ def written_files(folder):
     return {name: [s.st_size, s.st_mtime_ns] for name, s in stats.items() if name not in (MANIFEST, ".lock")}
 
 
-def check_folder(hf_dir):
+def check_folder(given):
     """An absent or empty folder, or an earlier export of this tool whose files are still those it wrote (the
-    manifest's names, sizes and times): anything else there is someone's work, refused rather than replaced."""
-    if not hf_dir:
+    manifest's names, sizes and times): anything else there is someone's work, refused rather than replaced.
+    Returns the folder to swap the export in for: given's real path (through a symlink, where it points)."""
+    if not given:
         raise UserError("--hf_dir is empty: name the folder to write")
+    hf_dir = os.path.realpath(given)
+    if os.path.ismount(hf_dir):  # else found at the swap, the last step: a mount point is not renamed
+        raise UserError(f"--hf_dir={given} is a mount point, which cannot be swapped for the export: "
+                        "give a folder inside it")
     if os.path.isfile(hf_dir):
-        raise UserError(f"--hf_dir={hf_dir} is a file; give a folder")
+        raise UserError(f"--hf_dir={given} is a file; give a folder")
     if not os.path.isdir(hf_dir) or not os.listdir(hf_dir):
-        return
+        return hf_dir
     try:
         with open(os.path.join(hf_dir, MANIFEST)) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
-        raise UserError(f"--hf_dir={hf_dir} holds files that are not an export of this tool (no {MANIFEST}); "
+        raise UserError(f"--hf_dir={given} holds files that are not an export of this tool (no {MANIFEST}); "
                         "choose an empty or new folder") from None
     found = written_files(hf_dir)
     changed = sorted(name for name in found.keys() | manifest.keys() if found.get(name) != manifest.get(name))
     if changed:
-        raise UserError(f"--hf_dir={hf_dir} holds files this tool did not write, or changed since "
+        raise UserError(f"--hf_dir={given} holds files this tool did not write, or changed since "
                         f"({changed[0]}): move them aside, or choose an empty or new folder")
+    return hf_dir
 
 
 def export(args):
@@ -212,11 +218,11 @@ def export(args):
     except ImportError:
         raise UserError(f"experiments.export needs transformers: {INSTALL}") from None
     transformers.utils.logging.disable_progress_bar()  # the loading check's bar: noise in a one-line report
-    check_folder(args.hf_dir)
+    hf_dir = check_folder(args.hf_dir)
     start = time.perf_counter()
     model, tok, step = load_model(args.out_dir)
     # Written beside the target, then swapped in whole: a failed or cut export leaves the earlier one as it was
-    partial = f"{os.path.normpath(args.hf_dir)}.partial"
+    partial = f"{hf_dir}.partial"
     if os.path.isdir(partial) and os.listdir(partial) and not os.path.exists(os.path.join(partial, ".lock")):
         raise UserError(f"{partial} holds files this tool did not write: move it aside to export to {args.hf_dir}")
     os.makedirs(partial, exist_ok=True)
@@ -233,10 +239,10 @@ def export(args):
         with open(os.path.join(partial, MANIFEST), "w") as f:
             json.dump(written_files(partial), f)
         os.remove(os.path.join(partial, ".lock"))
-        if os.path.isdir(args.hf_dir):  # the earlier export, checked above: replaced whole
+        if os.path.isdir(hf_dir):  # the earlier export, checked above: replaced whole
             shutil.rmtree(f"{partial}.old", ignore_errors=True)
-            os.rename(args.hf_dir, f"{partial}.old")
-        os.rename(partial, args.hf_dir)
+            os.rename(hf_dir, f"{partial}.old")
+        os.rename(partial, hf_dir)
         shutil.rmtree(f"{partial}.old", ignore_errors=True)
     print(f"{args.hf_dir}: LlamaForCausalLM from {args.out_dir} ({cfg.embedding} arm, step {step}), "
           f"{'with' if with_tokenizer else 'without'} tokenizer; logits within {difference:.2g} of the model's; "

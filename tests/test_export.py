@@ -139,6 +139,26 @@ def test_an_export_replaces_only_its_own_earlier_export_whole(exported, tmp_path
 
 
 @pytest.mark.parametrize("exported", ["lev"], indirect=True)  # the same for every arm
+def test_an_export_through_a_symlink_lands_where_it_points_and_a_mount_point_is_refused_first(
+        exported, tmp_path, monkeypatch, capsys):
+    """--hf_dir a symlink to a folder: the export is swapped in there, twice, the link kept. --hf_dir a mount
+    point (which no rename can swap for the new folder, the export's last step): refused before any work."""
+    run, _, _ = exported
+    link, real = tmp_path / "link", tmp_path / "elsewhere" / "hf"
+    real.mkdir(parents=True)
+    link.symlink_to(real)
+    for _ in range(2):
+        assert export.main([f"--out_dir={run}", f"--hf_dir={link}"]) == 0
+        assert link.is_symlink() and (real / "config.json").exists()
+    assert sorted(os.listdir(tmp_path / "elsewhere")) == ["hf"]
+    capsys.readouterr()
+    monkeypatch.setattr(export.os.path, "ismount", lambda path: path == str(real))
+    monkeypatch.setattr(export, "load_model", lambda *a: pytest.fail("loaded the model before refusing"))
+    assert export.main([f"--out_dir={run}", f"--hf_dir={link}"]) == 1
+    assert_one_error_line(1, capsys.readouterr().err, f"--hf_dir={link} is a mount point", "a folder inside it")
+
+
+@pytest.mark.parametrize("exported", ["lev"], indirect=True)  # the same for every arm
 def test_lm_evals_own_hf_model_on_the_export_gives_experiments_evaluates_figures(exported, train_data, tmp_path,
                                                                                   monkeypatch):
     """A user's lm-eval run on the export, `--model hf --model_args pretrained=DIR,add_bos_token=True`,
