@@ -5,7 +5,7 @@
     python prepare_data.py --dataset=PATH  # local .jsonl[.zst]/.txt: a file, glob or folder
 """
 import argparse, fcntl, filecmp, functools, glob, gzip, hashlib, itertools, json, math, os
-import platform, shlex, signal, sys, sysconfig, tempfile, time
+import platform, shlex, signal, sys, sysconfig, tempfile, time, zipfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -460,6 +460,14 @@ def hold_folder(folder, option="--out_dir"):
 
 def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
+
+def check_checkpoint(path):
+    """torch.save writes a zip holding each record's CRC-32, which torch.load checks for none: a copy
+    damaged on a disk or in a transfer would load as other weights, without a sign."""
+    with zipfile.ZipFile(path) as archive:
+        damaged = archive.testzip()  # reads every record: about as long as loading them
+    if damaged:
+        raise UserError(f"{path} is damaged ({damaged} fails its CRC-32): restore it from a copy")
 
 if __name__ == "__main__":
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (`cmd &`)

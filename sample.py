@@ -15,13 +15,13 @@ import time
 import torch
 
 from leviathan import Config, Model, generate_text, precision
-from prepare_data import UserError, tokenizer_from_meta
+from prepare_data import UserError, check_checkpoint, tokenizer_from_meta
 
 def load_model(out_dir, device="cpu"):
     """A run's model in eval mode, the tokenizer of its data, and its step, from out_dir/ckpt.pt.
     For inference, call model.freeze_lev() next (slow for a large vocabulary on a CPU)."""
     path = os.path.join(out_dir, "ckpt.pt")
-    # mmap: a tensor is read from the disk when load_state_dict copies it, not all of them up front
+    check_checkpoint(path)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     # A run that diverged: greedy decoding would take the argmax of nan logits, id 0, and print it
     # as if it were text.

@@ -18,7 +18,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from leviathan import EMBEDDINGS, Config, Model, distinct_ids, precision
-from prepare_data import UserError, atomic_write, hold_folder, open_prepared, write_json
+from prepare_data import (UserError, atomic_write, check_checkpoint, hold_folder, open_prepared,
+                          write_json)
 
 # ---------------------------------------------------------------------------- the options
 OPTIONS = dict(  # name=(tiny's default, what it does); each of SIZES sets its own values over these
@@ -278,8 +279,9 @@ def set_up(argv):
     config = read_options(argv)
     ckpt = None
     if config.resume or config.eval_only:  # its options in force before the device is set up
-        ckpt = torch.load(os.path.join(config.out_dir, "ckpt.pt"), map_location="cpu",
-                          weights_only=True, mmap=True)  # mmap: only what is used is read
+        path = os.path.join(config.out_dir, "ckpt.pt")
+        check_checkpoint(path)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         config = read_options(argv, saved=ckpt["train_config"])
     elif any(os.path.exists(os.path.join(config.out_dir, name)) for name in RUN_FILES):
         raise UserError(f"{config.out_dir} holds another run: pass --resume to continue it, "

@@ -3,8 +3,10 @@ and a prepared corpus (one per session). The model's own tests and helpers are .
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -78,6 +80,17 @@ def prepare_corpus(tmp, name, vocab_size):
 @pytest.fixture(scope="session")
 def train_data(tmp_path_factory):
     return prepare_corpus(tmp_path_factory.mktemp("train"), "corpus", 512)
+
+
+def damage(checkpoint):
+    """Flip one bit in the middle of the largest record of a checkpoint (a tensor's bytes), as a failing disk
+    or a bad copy would: the file still loads with torch.load."""
+    with zipfile.ZipFile(checkpoint) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    data = bytearray(open(checkpoint, "rb").read())
+    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26:record.header_offset + 30])
+    data[record.header_offset + 30 + name_length + extra_length + record.file_size // 2] ^= 1
+    open(checkpoint, "wb").write(bytes(data))
 
 
 def train_cli(train_data, out, *args, nproc=1, check=True, env=None):

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from conftest import EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, exit_status, random_model, run_script
+from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, assert_one_error_line, damage, exit_status, random_model,
+                      run_script)
 
 from test_leviathan import generated_ids
 import sample
@@ -108,9 +109,11 @@ def runs(tmp_path_factory):
     vocab = model.cfg.vocab_size  # 384: a multiple of 128, as a --vocab_size=384 run's would be
     unpadded = {**META, "tokenizer_vocab_size": vocab, "vocab_size": vocab, "eot_id": vocab - 1}
     diverged = {**state, "norm.weight": torch.full_like(state["norm.weight"], math.nan)}
+    damaged = save_run(root / "damaged", model)
+    damage(os.path.join(damaged, "ckpt.pt"))
     return {"good": save_run(root / "good", model),
             "unpadded": save_run(root / "unpadded", model, data_meta=unpadded),
-            "nan": save_run(root / "nan", model, state=diverged)}
+            "nan": save_run(root / "nan", model, state=diverged), "damaged": damaged}
 
 
 REFUSED = {  # name -> (run, options, what the error line says)
@@ -123,6 +126,8 @@ REFUSED = {  # name -> (run, options, what the error line says)
     "top_p above one": ("good", ["--top_p=95"], "--top_p=95.0 is not in (0, 1]"),
     # greedy decoding of nan logits: id 0, again and again, printed as text
     "nan weights": ("nan", ["--temperature=0"], "norm.weight hold nan or inf", "earlier checkpoint"),
+    # torch.load checks no CRC-32: a flipped bit would sample from other weights
+    "damaged checkpoint": ("damaged", [], "ckpt.pt is damaged", "fails its CRC-32", "restore it from a copy"),
 }
 
 
@@ -139,6 +144,9 @@ def test_load_model_refuses_the_checkpoints_that_would_sample_another_model(runs
     """The export and experiments.evaluate read runs through load_model: they get the same refusals."""
     with pytest.raises(UserError, match=re.escape("hold nan or inf")):
         load_model(runs["nan"])
+    with pytest.raises(UserError, match=re.escape("is damaged")):
+        load_model(runs["damaged"])
+    torch.load(os.path.join(runs["damaged"], "ckpt.pt"), weights_only=True)  # what it guards: this loads
 
 
 # Every other mistake is named by argparse, leviathan's Config, Python or torch; main turns an

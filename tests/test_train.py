@@ -22,8 +22,8 @@ import torch
 
 import leviathan
 import train
-from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, assert_usage_error, exit_status,
-                      logged_losses, prepare_corpus, run_script, train_cli)
+from conftest import (HERE, SCRIPT_ENV, THREADED, TRAIN_ARGS, assert_one_error_line, assert_usage_error, damage,
+                      exit_status, logged_losses, prepare_corpus, run_script, train_cli)
 from leviathan import EMBEDDINGS, Config, Model
 import prepare_data as prep
 from test_leviathan import lev_param_formula
@@ -714,6 +714,19 @@ def test_a_run_without_room_for_its_checkpoint_is_refused_before_training(train_
             assert os.listdir(out) == [".lock"]
         else:
             set_up(train_data, out).lock.close()
+
+
+def test_a_damaged_checkpoint_is_refused_before_a_resume_or_an_evaluation(train_data, tmp_path, capsys):
+    """A bit flipped in ckpt.pt (a disk, a copy): torch.load checks no CRC-32 and would go on from other
+    weights; --resume and --eval_only refuse it in one line, the run's files as they were."""
+    out = tmp_path / "run"
+    train_cli(train_data, out, "--total_tokens=1024")
+    damage(out / "ckpt.pt")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    for flag in ("--resume", "--eval_only"):
+        code = train.main([f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS, "--total_tokens=2048", flag])
+        assert_one_error_line(code, capsys.readouterr().err, "ckpt.pt is damaged", "fails its CRC-32")
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
 def test_checkpoint_mismatches_leave_the_run_untouched(train_data, tmp_path, capsys):
