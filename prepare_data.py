@@ -462,8 +462,8 @@ def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), mode="w")
 
 def check_checkpoint(path):
-    """torch.save writes a zip holding each record's CRC-32, which torch.load checks for none: a copy
-    damaged on a disk or in a transfer would load as other weights, without a sign."""
+    """torch.save writes a zip holding each record's CRC-32, and torch.load checks none of them: a
+    copy damaged on a disk or in a transfer would load as other weights, without a sign."""
     with zipfile.ZipFile(path) as archive:
         damaged = archive.testzip()  # reads every record: about as long as loading them
     if damaged:
