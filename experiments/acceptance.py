@@ -665,7 +665,13 @@ def largest_difference(a, b, steps, keys):
     for step in range(1, steps + 1):
         mine, theirs = records[0][step], records[1][step]
         differences += [abs(mine[key] - theirs[key]) / (mine[key] if key == "grad_norm" else 1) for key in keys]
-    return max(differences)
+    return largest(differences)
+
+def largest(errors):
+    """The largest of errors, or NaN if one is NaN: Python's max passes over a NaN that is not first, and a
+    NaN error (from a kernel that left memory unwritten, say) is the worst of all."""
+    errors = list(errors)
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 def saved_step(output):
     """The step at which a run stopped by SIGTERM saved, from its output; None if it did not say so."""
@@ -732,7 +738,7 @@ def lev_reference_error(args, device, shape):
     budget = leviathan.CHUNK_FLOATS_CPU
     leviathan.CHUNK_FLOATS_CPU = TOY_CHUNK_FLOATS
     try:
-        return max(lev_error(cfg, device, n) for n in LEV_IDS)
+        return largest(lev_error(cfg, device, n) for n in LEV_IDS)
     finally:
         leviathan.CHUNK_FLOATS_CPU = budget
 
@@ -748,7 +754,7 @@ def lev_error(cfg, device, n):
     fast, exact = lev.generate(ids), reference.generate_reference(ids)
     (fast * probe.float()).sum().backward()
     (exact * probe).sum().backward()
-    return max([relative_error(fast, exact)] + [relative_error(p.grad, q.grad) for p, q in
+    return largest([relative_error(fast, exact)] + [relative_error(p.grad, q.grad) for p, q in
                                                 zip(lev.parameters(), reference.parameters())])
 
 def loss_reference_error(args, device, shape):
@@ -768,7 +774,7 @@ def loss_reference_error(args, device, shape):
         del loss
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the whole logits' ~20 GB, back to the GPU for the runs beside
-    return max(relative_error(got, want) for got, want in zip(*results))
+    return largest(relative_error(got, want) for got, want in zip(*results))
 
 def text_windows(data_dir, n, seq_len):
     """The first n windows of seq_len + 1 tokens of the data's training text (its first shard),
@@ -812,7 +818,7 @@ def grad_reference(m, shape):
     xy = xy.to(device)
     reference(xy[:, :-1], xy[:, 1:]).backward()
     pairs = [(p.grad, q.grad) for p, q in zip(fast.parameters(), reference.parameters())]
-    worst = max(((g - r).norm() / r.norm()).item() for g, r in pairs)
+    worst = largest(((g - r).norm() / r.norm()).item() for g, r in pairs)
     ratio = (torch.stack([g.norm() for g, _ in pairs]).norm() / torch.stack([r.norm() for _, r in pairs]).norm())
     names = [event.key for event in profile.key_averages()]
     fallbacks = sum(bool(re.search(r"scaled_dot_product_attention_math", n)) for n in names)

@@ -754,6 +754,14 @@ def test_acceptance_compares_losses_and_gradient_norms_step_by_step():
     assert acceptance.largest_difference(one, one[:2], 3, ("loss",)) is None
 
 
+def test_acceptance_errors_are_nan_when_one_is_and_a_nan_figure_fails():
+    """A NaN among a measurement's errors (a gradient read from memory a kernel never wrote) is its figure,
+    wherever it stands (Python's max keeps the first element against a NaN), and the check fails on it."""
+    assert math.isnan(acceptance.largest([1e-6, math.nan, 2e-6])) and acceptance.largest([1e-6, 2e-6]) == 2e-6
+    figures = {"runs": {}, "crashes": {}, "checks": {"lev_reference": math.nan}, "limits": acceptance.LIMITS}
+    assert acceptance.verdict(acceptance.check_lines(figures)) == "FAIL"
+
+
 def test_acceptance_signal_stop_counts_the_steps_lost():
     stopped = "step 3/1000 | loss 5\nstep 4/1000 | loss 4\ncheckpoint: step 4, 0.01 GB in 0.1 s\n" \
               "stopped at step 4 (SIGTERM); checkpoint saved: add --resume to go on\n"
