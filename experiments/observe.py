@@ -15,6 +15,7 @@ OBSERVED.json is rewritten whole after each of them (a run killed part-way leave
      "hook_error": the largest |hook's mean - float32 mean| / max |float32 mean| over the buckets, or None,
      "steps": [{"graphs": ..., "graph_breaks": ...}, ...]}   # after this process's step 1, 2, ...
 """
+import math
 import os
 import runpy
 import sys
@@ -53,8 +54,10 @@ def observe(path):
             exact /= dist.get_world_size()
 
             def compare(future):
-                error = (future.value() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)
-                observed["hook_error"] = max(observed["hook_error"] or 0.0, error.item())
+                error = ((future.value() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
+                worst = observed["hook_error"]  # NaN, once met, stays: max would pass over it
+                if worst is None or math.isnan(error) or error > worst:
+                    observed["hook_error"] = error
                 save()
                 return exact
             return hook(state, bucket).then(compare)
