@@ -605,7 +605,7 @@ def main(argv):
             say(f"done: {run.step} steps; checkpoint {config.out_dir}/ckpt.pt")
         return shut_down(run, 0)
     except (OSError, ValueError) as e:  # a refusal (UserError), a path, a full disk: one line
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")  # one write: ranks' lines never run into each other
         return shut_down(run, 1, together=False)
 
 if __name__ == "__main__":
