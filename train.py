@@ -181,9 +181,7 @@ def agree(config, fingerprint, world):
 
 # ---------------------------------------------------------------------------- the set-up: data
 def open_data(config, splits):
-    """(fingerprint, train, val) of the prepared splits, as Run declares them."""
-    fingerprint = {split: {os.path.basename(s.path): [s.n, zlib.crc32(s[:4096].tobytes())]
-                           for s in shards} for split, shards in splits.items()}
+    """(train, val) of the prepared splits, as Run declares them."""
     train = Windows(splits["train"], config.seq_len, config.seed)
     n_val = max(1, config.eval_tokens // config.seq_len)  # the val split's first windows
     length = config.seq_len
@@ -191,7 +189,7 @@ def open_data(config, splits):
     val = [s[start:start + config.seq_len + 1] for s, start in starts[:n_val]]
     if not val or train.total == 0:  # evaluations of nothing; a division by zero at the first step
         raise UserError(f"a split is shorter than one window, seq_len + 1 = {config.seq_len + 1} tokens")
-    return fingerprint, train, val
+    return train, val
 
 class Windows:
     """Training window p (seq_len + 1 tokens: inputs, then targets) by its place in the data order,
@@ -254,7 +252,7 @@ class Run:
     """What one process holds, in set_up's order."""
     config: SimpleNamespace  # the options (read_options)
     meta: dict  # the data folder's meta.json
-    fingerprint: dict  # each shard's length and the crc32 of its start: a resume compares it
+    fingerprint: dict  # each shard's length and the crc32 of its start (prepare_data.open_prepared)
     train: Windows  # the training windows, by their place in the data order
     val: list  # the validation windows: the same at every evaluation
     counts: np.ndarray  # each id's count in the training split: the frequency table's buckets
@@ -287,9 +285,9 @@ def set_up(argv):
         raise UserError(f"{config.out_dir} holds another run: pass --resume to continue it, "
                         "or another --out_dir")
     device, rank, world = setup_device(config)
-    meta, splits, counts, byte_lengths = open_prepared(config.data_dir)
+    meta, splits, counts, byte_lengths, fingerprint = open_prepared(config.data_dir)
     model_config = Config.from_options(config, meta["vocab_size"])  # Config checks the shape
-    fingerprint, train, val = open_data(config, splits)
+    train, val = open_data(config, splits)
     if ckpt is not None:
         check_data(config, ckpt, meta, fingerprint)
     per_micro_step = world * config.micro_batch * config.seq_len
@@ -329,9 +327,10 @@ def check_data(config, ckpt, meta, fingerprint):
         config.out_dir = os.path.join(config.out_dir, f"eval-{name}-{key:08x}")
 
 def open_outputs(run):
-    """Rank 0's: out_dir made and held, the run described, config.json, the log cut back, W&B."""
+    """Rank 0's: out_dir made and held, the run described (config.json: options, model, data read),
+    the log cut back, W&B."""
     config = run.config
-    outputs = dict(train=vars(config), model=asdict(run.raw_model.cfg))
+    outputs = dict(train=vars(config), model=asdict(run.raw_model.cfg), data=run.fingerprint)
     os.makedirs(config.out_dir, exist_ok=True)
     run.lock = hold_folder(config.out_dir)  # a requeued job beside its twin: both would save
     params = run.raw_model.param_counts()

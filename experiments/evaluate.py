@@ -190,10 +190,15 @@ def read_results(out_dir):
 
 
 def compare(out_dirs):
-    """One row per (task, metric) present in every run; the first run relative to each other one."""
+    """One row per (task, metric) present in every run; the first run relative to each other one.
+    A task evaluated on other examples in one run (--limit) is refused; each run's steps are printed."""
     results = {d: read_results(d) for d in out_dirs}
     rows = []
     for task, entry in results[out_dirs[0]].items():
+        limits = {d: r[task].get("limit") for d, r in results.items() if task in r}
+        if len(set(limits.values())) > 1:
+            raise UserError(f"{task} was evaluated on other examples in each run (--limit: " + ", ".join(
+                f"{limit or 'none'} in {d}" for d, limit in limits.items()) + "): evaluate it alike in each")
         for metric in entry["metrics"]:
             found = {d: r.get(task, {}).get("metrics", {}).get(metric) for d, r in results.items()}
             if None not in found.values():
@@ -202,6 +207,8 @@ def compare(out_dirs):
     if not rows:
         raise UserError(f"{', '.join(out_dirs)} have no task and metric in common")
     print("\n".join(side_by_side(["task", "metric"], out_dirs, out_dirs[0], rows)))
+    steps = {d: sorted({entry.get("step") for entry in r.values()}, key=str) for d, r in results.items()}
+    print("checkpoint steps: " + "; ".join(f"{d} {', '.join(map(str, s))}" for d, s in steps.items()))
 
 
 # ---------------------------------------------------------------------------- command line

@@ -17,7 +17,7 @@ import sys
 import time
 
 from experiments.cli import read_json
-from prepare_data import UserError, hold_folder
+from prepare_data import UserError, hold_folder, open_prepared
 from train import RESUME_FREE, RUN_FILES, read_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -74,7 +74,22 @@ def finished(run_dir, options=None):
             raise UserError(f"{run_dir} was trained with other options (" + ", ".join(
                 f"{k}={saved.get(k)} there, {asked[k]} here" for k in changed) + "): delete it to train it "
                 "with these, or ask for the options it was trained with")
+        if config.get("data") != open_prepared(asked["data_dir"])[4]:  # the data prepared again since
+            raise UserError(f"{run_dir} records other data than {asked['data_dir']} holds now (prepared again "
+                            "since, or an older train.py's run): delete it to train it on this data")
     return done
+
+
+def check_same_data(run_dirs):
+    """Refuse to put together runs that read different data (config.json's "data": each shard's length
+    and the crc32 of its start, as train.py recorded them): side by side, their figures would differ by
+    the data as well as by what the table says."""
+    data = [read_json(os.path.join(d, "config.json"), "delete the run folder to train it afresh").get("data")
+            for d in run_dirs]
+    for run_dir, its_data in zip(run_dirs, data):
+        if its_data != data[0]:
+            raise UserError(f"{run_dirs[0]} and {run_dir} were trained on different data: train them again on "
+                            "one prepared folder")
 
 
 def command(options, processes=1, observed=None):

@@ -53,7 +53,7 @@ import numpy as np
 
 from experiments import lev_variants
 from experiments.cli import read_json, run_main
-from experiments.runs import finished, log_records, shown, train as train_run, wait
+from experiments.runs import check_same_data, finished, log_records, shown, train as train_run, wait
 from prepare_data import UserError, load_meta, read_shard, shard_paths, write_shard
 from train import read_options
 
@@ -407,13 +407,18 @@ def table(root=STUDY_DIR):
         speed_text = f"{speed:,.0f}" if speed else "-"
         print(f"| {plan} | {run_label(config)} | {' | '.join(settings(config))} | {t['seed']} | {result} | {speed_text} |")
     groups = {}  # (plan, arm, settings) -> the finished runs' last evaluations, one per seed
+    group_dirs = {}  # the same key -> those runs' folders
     curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
     for plan, config, ev, _ in runs:
         if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
-            groups.setdefault((plan, run_label(config), settings(config)), []).append(ev)
+            key = (plan, run_label(config), settings(config))
+            groups.setdefault(key, []).append(ev)
             run_dir = os.path.join(root, plan, os.path.basename(config["train"]["out_dir"]))
+            group_dirs.setdefault(key, []).append(run_dir)
             curve = {r["step"]: (r["tokens_seen"], r["val_loss"]) for r in log_records(run_dir, "eval")}
             curves.setdefault((plan, run_label(config)), []).append(curve)
+    for run_dirs in group_dirs.values():  # seeds averaged must differ in their seed alone
+        check_same_data(run_dirs)
     print("\nMean over seeds (spread: max - min); finished runs only:\n")
     print("| plan | arm | lr, input, head | seeds | val loss | val ppl (each seed) | ppl spread |")
     print("|---|---|---|---|---|---|---|")

@@ -27,7 +27,8 @@ import leviathan
 import prepare_data as prep
 import train
 from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
-                      exit_status, micro_model, random_model, run_script, train_cli, write_choice_task)
+                      exit_status, micro_model, prepare_corpus, random_model, run_script, train_cli,
+                      write_choice_task)
 from experiments import acceptance, bench, compare, evaluate, runs, study
 from experiments.cli import run_main
 from experiments.evaluate import LeviathanLM, scoring_windows
@@ -137,6 +138,30 @@ def test_a_run_stopped_part_way_is_resumed_and_then_finished(train_data, tmp_pat
     for other in (["--lr=1e-2"], ["--embedding=tied"], ["--seed=7"]):
         with pytest.raises(UserError, match=f"{out} was trained with other options .*{other[0][2:].split('=')[0]}="):
             runs.finished(out, [*options, *other])
+
+
+def test_a_finished_run_on_data_prepared_again_is_refused_not_reused(tmp_path):
+    """compare's arms and the study's runs are reused when finished: one trained before its data folder was
+    prepared again (other text, same path) is refused, not tabled beside runs on the new data."""
+    data = prepare_corpus(tmp_path, "corpus", 512)
+    out = tmp_path / "run"
+    options = [f"--data_dir={data}", *TRAIN_ARGS, "--total_tokens=1024", "--eval_interval=2"]
+    assert runs.train(str(out), options, output=str(tmp_path / "output.txt")) == (0, False)
+    assert runs.finished(out, options)
+    shutil.rmtree(data)
+    assert prepare_corpus(tmp_path, "corpus", 600) == data  # the same folder, another vocabulary
+    with pytest.raises(UserError, match=f"{out} records other data than {data} holds now"):
+        runs.finished(out, options)
+
+
+def test_the_comparison_table_refuses_arms_trained_on_different_data(tmp_path):
+    for arm in compare.ARMS:
+        (tmp_path / arm).mkdir()
+        data = {"train": {"train_000000.bin": [4096, 7 if arm == "lev" else 1]}}
+        prep.write_json(str(tmp_path / arm / "config.json"), {"train": {}, "model": {}, "data": data})
+    args = SimpleNamespace(out_dir=str(tmp_path), size="tiny")
+    with pytest.raises(UserError, match=f"{tmp_path / 'tied'} and {tmp_path / 'lev'} were trained on different data"):
+        compare.table(args, [])
 
 
 def test_wait_stops_a_run_at_its_deadline_and_train_py_saves_a_checkpoint(train_data, tmp_path):
@@ -337,7 +362,25 @@ def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
                         lines[2]), lines  # the paper's LAMBADA claim has this form: 30% lower perplexity
     assert re.fullmatch(r"\| lambada_openai \| acc +\| +0\.5500 ± 0\.0100 \| +0\.5000 ± 0\.0100 \| +\+10\.0% \|",
                         lines[3]), lines
-    assert len(lines) == 4
+    assert lines[4:] == [f"checkpoint steps: {lev} 9; {tied} 9"]
+
+
+def test_compare_shows_each_runs_steps_and_refuses_results_on_other_examples(tmp_path, capsys):
+    """Side by side, results must be of the same examples (a --limit look is not a full evaluation) and
+    say which checkpoint each run's come from."""
+    for arm, (step, limit) in {"lev": (9, None), "tied": (4, None)}.items():
+        (tmp_path / arm).mkdir()
+        entry = {"step": step, "limit": limit, "samples": 10, "metrics": {"acc": [0.5, 0.01]}}
+        prep.write_json(str(tmp_path / arm / "downstream.json"), {"piqa": entry, "arc_easy": dict(entry, step=2)})
+    lev, tied = tmp_path / "lev", tmp_path / "tied"
+    assert evaluate.main(["--compare", str(lev), str(tied)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"checkpoint steps: {lev} 2, 9; {tied} 2, 4"
+    results = json.loads((tied / "downstream.json").read_text())
+    results["piqa"]["limit"] = 100
+    prep.write_json(str(tied / "downstream.json"), results)
+    assert evaluate.main(["--compare", str(lev), str(tied)]) == 1
+    assert capsys.readouterr().err == (f"error: piqa was evaluated on other examples in each run (--limit: none in "
+                                       f"{lev}, 100 in {tied}): evaluate it alike in each\n")
 
 
 @pytest.mark.parametrize("args, phrase", [
@@ -544,6 +587,13 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     assert "final: validation perplexity by the target's training count" in out
     gap_row = f"| 2 | 1,024 | {ev['val_loss']:.4f} | {ev['val_loss'] + 0.5:.4f} | -0.5000 (-39.3%) |"
     assert "final: validation loss along training" in out and gap_row in out
+    # seeds averaged must have read the same data: one trained on data prepared again is refused
+    config = json.load(open(tmp_path / "final" / "lev-b" / "config.json"))
+    config["train"]["out_dir"] = str(tmp_path / "final" / "lev-b")
+    config["data"]["train"] = {"train_000000.bin": [1024, 0]}
+    json.dump(config, open(tmp_path / "final" / "lev-b" / "config.json", "w"))
+    with pytest.raises(UserError, match=r"lev-a and \S*lev-b were trained on different data"):
+        study.table(str(tmp_path))
 
 
 @pytest.mark.parametrize("argv, message", [

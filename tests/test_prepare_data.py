@@ -385,6 +385,18 @@ def test_full_disk_keeps_complete_shards(tmp_path, monkeypatch, capsys):
     assert not [f for f in os.listdir(tmp_path / "out") if f.startswith("train_000003") or f.endswith(".tmp")]
 
 
+def test_the_pile_that_would_not_fit_is_refused_before_it_is_read(tmp_path, monkeypatch, capsys):
+    """--max_tokens of the Pile (which holds more) fixes the bytes its shards take: a disk without them is
+    refused before the Hub is read, not found full hours in. 1e9 train + 1e7 val tokens at 4 bytes (o200k)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were it read, it would fail at once, not download
+    real = shutil.disk_usage
+    monkeypatch.setattr(prep.shutil, "disk_usage", lambda path: real(path)._replace(free=4 * 10**9))
+    code = prep.main(["--max_tokens=1000000000", f"--out_dir={tmp_path / 'pile'}"])
+    assert_one_error_line(code, capsys.readouterr().err,
+                          f"{tmp_path / 'pile'} has less than the 4.0 GB its shards need: free space there")
+    assert os.listdir(tmp_path / "pile") == []
+
+
 def test_token_byte_lengths_count_utf8_bytes():
     tok = prep.get_tokenizer("o200k_base", 8192)
     lengths = prep.token_byte_lengths(tok)
