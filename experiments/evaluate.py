@@ -1,131 +1,150 @@
-"""Downstream evaluation of a trained run through EleutherAI's lm-evaluation-harness.
+"""Downstream evaluation of a trained run: its transformers export, scored by lm-eval's own `hf` model.
 
     python -m experiments.evaluate --out_dir=out/1.2b-lev             # the six default benchmarks
     python -m experiments.evaluate --out_dir=out/1.2b-lev --tasks=lambada_openai,piqa --limit=100
     python -m experiments.evaluate --out_dir=out/tiny-lev --tasks=my_task --include_path=my_tasks/
     python -m experiments.evaluate --compare out/1.2b-lev out/1.2b-tied   # arms side by side
 
-lm-eval is optional (pip install "lm-eval>=0.4.10,<0.5"): it downloads each benchmark
-from the Hugging Face Hub the first time. The default six are our choice, since the paper
-does not name its six: LAMBADA (OpenAI version, perplexity and accuracy), HellaSwag, PIQA,
-ARC-Easy, ARC-Challenge and WinoGrande, the zero-shot suite reported for Pile-trained
-models of this size (e.g. by the Mamba paper). It includes LAMBADA, whose perplexity the
-paper quotes, and every one is scored by log-likelihood, so no text is generated.
+The run is exported (experiments.export) into <out_dir>/hf, which is kept while ckpt.pt is the one it
+was made from and made again when it changes. lm-eval's `hf` model loads that folder with
+add_bos_token=True: each context starts with end-of-text, as every document follows one in training.
+The results (downstream.json in the run folder) are what a user gets by hand from
+    lm_eval --model hf --model_args pretrained=out/1.2b-lev/hf,add_bos_token=True,dtype=float32 --tasks piqa
 
-How our model answers lm-eval (the LeviathanLM adapter below):
-- Text is encoded with the run's own tokenizer and conditioned on end-of-text: in the
-  training stream every document follows one, so that is where a new text starts.
-- At most seq_len tokens of context: longer contexts lose their oldest tokens, and long
-  texts are scored in windows, each token once, each window with as much context as fits.
-- Requests are batched longest first, so rows of a batch have similar lengths; the
-  padding that evens them out comes after the real tokens, where causal attention keeps
-  it out of their view, and it is never scored.
-- Padding ids of the vocabulary (rounded up to a multiple of 128) are excluded from every
-  softmax: the tokenizer cannot produce them, so they must not take probability mass.
+lm-eval, transformers and accelerate are optional (INSTALL below); lm-eval downloads each
+benchmark from the Hugging Face Hub the first time. The default six are our choice, since the paper
+does not name its six: LAMBADA (OpenAI version, perplexity and accuracy), HellaSwag, PIQA, ARC-Easy,
+ARC-Challenge and WinoGrande, the zero-shot suite reported for Pile-trained models of this size (e.g.
+by the Mamba paper). It includes LAMBADA, whose perplexity the paper quotes.
 """
-import argparse, glob, logging, os, sys
+import argparse, glob, importlib.util, logging, os, sys
+from types import SimpleNamespace
 if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
     sys.exit("error: run it from the repository's root as: python -m experiments.evaluate")
 
 import torch
 
+from experiments import export
 from experiments.cli import read_json, run_main
-from leviathan import precision
 from prepare_data import UserError, hold_folder, write_json
-from sample import load_model
 
 try:
     import lm_eval
-    from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
-except ImportError:  # main() says how to install it; the adapter's arithmetic needs only torch
-    lm_eval, LM, TaskManager = None, object, None
+except ImportError:  # evaluate() says how to install it
+    lm_eval = TaskManager = None
+if not all(importlib.util.find_spec(name) for name in ("transformers", "accelerate")):  # the hf model's
+    lm_eval = TaskManager = None
 
-INSTALL = 'pip install "lm-eval>=0.4.10,<0.5"'  # 0.4.10 and 0.4.13 tested; 0.4.10 dropped transformers
+INSTALL = 'pip install "lm-eval>=0.4.10,<0.5" "transformers>=5,<6" accelerate'  # lm-eval 0.4.10, 0.4.13 tested
 DEFAULT_TASKS = ["lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande"]
 RESULTS_FILE = "downstream.json"
+HF_DIR = "hf"  # the export's folder inside the run
 
 
-# ---------------------------------------------------------------------------- the adapter
+# ---------------------------------------------------------------------------- the export and lm-eval
 
 
-def scoring_windows(prefix, scored, seq_len):
-    """Windows [(tokens, n)] that together score every id of `scored` once, given `prefix`:
-    tokens[:-1] is the model's input, and the last n of tokens[1:] are scored. Each window
-    scores up to seq_len ids and is filled on the left with as much context as fits."""
-    tokens = prefix + scored
-    windows = []
-    for first in range(len(prefix), len(tokens), seq_len):
-        end = min(first + seq_len, len(tokens))
-        windows.append((tokens[max(0, end - seq_len - 1):end], end - first))
-    return windows
+def up_to_date_export(out_dir):
+    """<out_dir>/hf, exported again unless it was made from the ckpt.pt there now (its size and time)."""
+    hf_dir = os.path.join(out_dir, HF_DIR)
+    ckpt = os.stat(os.path.join(out_dir, "ckpt.pt"))
+    made_from = [ckpt.st_size, ckpt.st_mtime_ns]
+    config, fix = os.path.join(hf_dir, "config.json"), "delete that folder: it is made again"
+    made = read_json(config, fix).get(export.MARK, {}) if os.path.exists(config) else {}  # the export's entry
+    if made.get("checkpoint") != made_from:
+        export.export(SimpleNamespace(out_dir=out_dir, hf_dir=hf_dir, tokenizer=True))
+        made = read_json(config, fix)[export.MARK]
+    if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+        raise UserError(f"{hf_dir} has no tokenizer (the export found none exact for the run's), "
+                        "which lm-eval needs")
+    return hf_dir, made["step"]
 
 
-class LeviathanLM(LM):
-    """Our Model behind lm-eval's model interface: log-likelihoods of text, no generation."""
+def evaluate(args):
+    if lm_eval is None:
+        raise UserError(f"experiments.evaluate needs EleutherAI's lm-evaluation-harness: {INSTALL}")
+    # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs; the
+    # file is read (and checked) now, not after an hour of evaluation.
+    path = os.path.join(args.out_dir, RESULTS_FILE)
+    saved = read_results(args.out_dir) if os.path.exists(path) else {}
+    tasks = [t for t in args.tasks.split(",") if t]
+    check_limit(saved, tasks, args.limit, path)
+    manager = task_manager(tasks, args.include_path)  # the tasks and the device before the export:
+    check_device(args.device)  # each error before minutes of exporting
+    os.stat(os.path.join(args.out_dir, "ckpt.pt"))  # a folder without a run: named before it is locked
+    with hold_folder(args.out_dir):  # one process per run folder: two evaluations would keep one's results
+        hf_dir, step = up_to_date_export(args.out_dir)
+        saved = read_results(args.out_dir) if os.path.exists(path) else {}  # again, now that it is ours
+        # Out of the Hub's reach, its client retries each request with a warning per try: the error says it once
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+        model_args = dict(pretrained=hf_dir, add_bos_token=True, dtype=args.dtype)
+        try:
+            output = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=manager,
+                                             device=args.device, batch_size=args.batch_size, limit=args.limit)
+        except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
+            raise UserError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
+                            "from the Hugging Face Hub the first time, then reads its cache")
+        rows = result_rows(output["results"])
+        table = [(task, metric, number(value), number(stderr)) for task, metric, value, stderr in rows]
+        print("\n".join(markdown(["task", "metric", "value", "stderr"], table, labels=2)))
+        for task in output["results"]:
+            saved[task] = {"step": step, "limit": args.limit, "lm_eval_version": output.get("lm_eval_version"),
+                           "samples": output["n-samples"].get(task, {}).get("effective"),
+                           "metrics": {m: [v, s] for t, m, v, s in rows if t == task}}
+        write_json(path, saved)
+        print(f"# written to {path}", file=sys.stderr)
 
-    def __init__(self, model, tokenizer, batch_size=16, bf16=None):
-        super().__init__()
-        self.model, self.tokenizer, self.batch_size, self.bf16 = model, tokenizer, batch_size, bf16
-        self.seq_len = model.cfg.seq_len
-        self._device = model.head.weight.device
 
-    def loglikelihood(self, requests):
-        """(context, continuation) -> (log p(continuation | context), is it the greedy choice)."""
-        windows_per_request = []
-        for request in requests:
-            context, continuation = request.args
-            # BPE attaches a space to the word after it, so a context's trailing spaces
-            # belong to the continuation: a lone final space is a token training rarely saw.
-            stripped = context.rstrip(" ")
-            windows_per_request.append(self._windows(stripped, context[len(stripped):] + continuation))
-        return self._score(windows_per_request)
+def check_limit(saved, tasks, limit, path):
+    """A task's saved result and a new one must cover the same examples: a --limit look over a full
+    evaluation (or the reverse) would replace one with the other unseen."""
+    def examples(n):
+        return "every example" if n is None else f"--limit={n}"
+    for task in tasks:
+        if task in saved and (there := saved[task].get("limit")) != limit:
+            raise UserError(f"{path} holds {task} evaluated on {examples(there)}, this run asks for "
+                            f"{examples(limit)}: pass the same --limit, or move the file aside")
 
-    def loglikelihood_rolling(self, requests):
-        """(text,) -> log p(text) from a document start, for perplexities of whole texts."""
-        scores = self._score([self._windows("", request.args[0]) for request in requests])
-        return [logprob for logprob, _ in scores]
 
-    def _windows(self, context, text):
-        """The windows that score `text` after end-of-text and `context`."""
-        prefix = [self.tokenizer.eot_token] + self.tokenizer.encode_ordinary(context)
-        return scoring_windows(prefix, self.tokenizer.encode_ordinary(text), self.seq_len)
+def check_device(name):
+    """A --device this machine cannot use, as one line."""
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError) as error:  # AssertionError: a torch built without CUDA
+        reason = str(error).splitlines()[0]
+        raise UserError(f"device {name!r} is not usable here: {reason}") from None
 
-    def generate_until(self, requests):
-        tasks = sorted({str(request.task_name) for request in requests})
-        raise UserError(f"{', '.join(tasks)} needs generated text, which this adapter does not "
-                        "produce; choose tasks scored by log-likelihood (multiple choice, perplexity)")
 
-    def _score(self, windows_per_request):
-        """Sum the log-probs of every request's windows; greedy if every scored id was the argmax."""
-        windows = [(i, window) for i, ws in enumerate(windows_per_request) for window in ws]
-        totals = [[0.0, True] for _ in windows_per_request]
-        windows.sort(key=lambda item: -len(item[1][0]))  # longest first: an out-of-memory shows at once
-        for start in range(0, len(windows), self.batch_size):
-            batch = windows[start:start + self.batch_size]
-            for (i, _), (logprob, greedy) in zip(batch, self._score_batch([window for _, window in batch])):
-                totals[i][0] += logprob
-                totals[i][1] &= greedy
-        return [(logprob, greedy) for logprob, greedy in totals]
+def check_yaml(include_path):
+    """Every YAML file under include_path parses: lm-eval skips one that does not with a log line,
+    and its task would then be reported unknown. Tags (lm-eval's !function) are not resolved here."""
+    import yaml  # lm-eval's own dependency
+    loader = type("Loader", (yaml.SafeLoader,), {})
+    loader.add_multi_constructor("!", lambda *_: None)
+    for path in sorted(glob.glob(os.path.join(include_path, "**", "*.y*ml"), recursive=True)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                yaml.load(f, loader)
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise UserError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); fix it or remove it "
+                            "from --include_path") from None
 
-    @torch.no_grad()
-    def _score_batch(self, windows):
-        width = max(len(tokens) for tokens, _ in windows) - 1
-        inputs = torch.full((len(windows), width), self.tokenizer.eot_token, dtype=torch.long)
-        for row, (tokens, _) in enumerate(windows):
-            inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-        with precision(self._device, self.bf16):  # the training precision
-            logits = self.model(inputs.to(self._device))  # [B, T, V], float32
-        scores = []
-        for row, (tokens, n) in enumerate(windows):
-            # logits at input position p predict tokens[p + 1]; keep the last n real positions,
-            # and only the columns of ids the tokenizer has (the rest are padding).
-            end = len(tokens) - 1
-            logprobs = logits[row, end - n:end, :self.tokenizer.n_vocab].log_softmax(-1)
-            targets = torch.tensor(tokens[-n:], device=logprobs.device)
-            logprob = logprobs.gather(1, targets[:, None]).sum().item()
-            scores.append((logprob, bool((logprobs.argmax(-1) == targets).all())))
-        return scores
+
+def task_manager(tasks, include_path):
+    """lm-eval's TaskManager, once every task is known to it: checked before a model is exported or
+    trained (compare.py), not after."""
+    if include_path:
+        if not os.path.isdir(include_path):
+            raise UserError(f"--include_path {include_path} is not a folder")
+        check_yaml(include_path)
+    manager = TaskManager(include_path=include_path)  # indexes every task: the slow part of start-up
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown or not tasks:
+        raise UserError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
+                        f"{len(manager.all_tasks)} (lm-eval ls tasks lists them); "
+                        "your own YAML tasks need --include_path")
+    return manager
 
 
 # ---------------------------------------------------------------------------- results
@@ -217,16 +236,16 @@ def compare(out_dirs):
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s --out_dir=RUN [--name=value]", allow_abbrev=False)
-    parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the results go there too")
+    parser.add_argument("--out_dir", help="run folder holding ckpt.pt; the export and the results go there too")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated lm-eval task names")
     parser.add_argument("--include_path", help="a folder of your own lm-eval YAML tasks")
     parser.add_argument("--limit", type=int, help="only the first N examples of each task (a quick look)")
     parser.add_argument("--batch_size", type=int, default=16,
-                        help="windows of up to seq_len tokens per forward pass (lower it if out of memory)")
+                        help="sequences per forward pass (lower it if out of memory)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction,
-                        help="bf16 autocast, as in training (default: on for CUDA, off for CPU)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the exported model's weights and arithmetic (bfloat16: faster on a GPU)")
     parser.add_argument("--compare", nargs="+", metavar="RUN", help="print these runs' results side by side")
     args = parser.parse_args(argv)
     if (args.out_dir is None) == (args.compare is None):
@@ -236,94 +255,6 @@ def parse_args(argv):
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--limit and --batch_size must be at least 1")
     return args
-
-
-def check_yaml(include_path):
-    """Every YAML file under include_path parses: lm-eval skips one that does not with a log line,
-    and its task would then be reported unknown. Tags (lm-eval's !function) are not resolved here."""
-    import yaml  # lm-eval's own dependency
-    loader = type("Loader", (yaml.SafeLoader,), {})
-    loader.add_multi_constructor("!", lambda *_: None)
-    for path in sorted(glob.glob(os.path.join(include_path, "**", "*.y*ml"), recursive=True)):
-        try:
-            with open(path, encoding="utf-8") as f:
-                yaml.load(f, loader)
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise UserError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); fix it or remove it "
-                            "from --include_path") from None
-
-
-def task_manager(tasks, include_path):
-    """lm-eval's TaskManager, once every task is known to it: checked before a model is loaded or
-    trained (compare.py), not after."""
-    if include_path:
-        if not os.path.isdir(include_path):
-            raise UserError(f"--include_path {include_path} is not a folder")
-        check_yaml(include_path)
-    manager = TaskManager(include_path=include_path)  # indexes every task: the slow part of start-up
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown or not tasks:
-        raise UserError(f"unknown task {', '.join(unknown) or '(none given)'}: lm-eval knows "
-                        f"{len(manager.all_tasks)} (lm-eval ls tasks lists them); "
-                        "your own YAML tasks need --include_path")
-    return manager
-
-
-def check_limit(saved, tasks, limit, path):
-    """A task's saved result and a new one must cover the same examples: a --limit look over a full
-    evaluation (or the reverse) would replace one with the other unseen."""
-    def examples(n):
-        return "every example" if n is None else f"--limit={n}"
-    for task in tasks:
-        if task in saved and (there := saved[task].get("limit")) != limit:
-            raise UserError(f"{path} holds {task} evaluated on {examples(there)}, this run asks for "
-                            f"{examples(limit)}: pass the same --limit, or move the file aside")
-
-
-def check_device(name):
-    """A --device this machine cannot use, as one line, before any time is spent on the tasks."""
-    try:
-        torch.empty(0, device=name)
-    except (RuntimeError, AssertionError) as error:  # AssertionError: a torch built without CUDA
-        reason = str(error).splitlines()[0]
-        raise UserError(f"device {name!r} is not usable here: {reason}") from None
-
-
-def evaluate(args):
-    if lm_eval is None:
-        raise UserError(f"experiments.evaluate needs EleutherAI's lm-evaluation-harness: {INSTALL}")
-    check_device(args.device)
-    # Results accumulate by task, so a quick --limit look at one task keeps the others' full runs; the
-    # file is read (and checked) now, not after an hour of evaluation.
-    path = os.path.join(args.out_dir, RESULTS_FILE)
-    saved = read_results(args.out_dir) if os.path.exists(path) else {}
-    tasks = [t for t in args.tasks.split(",") if t]
-    check_limit(saved, tasks, args.limit, path)
-    manager = task_manager(tasks, args.include_path)  # the tasks before the model: each error as early as it can be
-    model, tokenizer, step = load_model(args.out_dir, args.device)
-    model.freeze_lev()  # LEV depends only on the id: evaluate it once, then look it up
-    with hold_folder(args.out_dir):  # one process per run folder: two evaluations would keep one's results
-        saved = read_results(args.out_dir) if os.path.exists(path) else {}  # again, now that it is ours
-        adapter = LeviathanLM(model, tokenizer, args.batch_size, args.bf16)
-        # Out of the Hub's reach, its client retries each request with a warning per try: the error says it once
-        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-        try:
-            output = lm_eval.simple_evaluate(model=adapter, tasks=tasks, task_manager=manager,
-                                             limit=args.limit, log_samples=False)
-        except OSError as e:  # datasets' ConnectionError, DatasetNotFoundError, a missing local file
-            raise UserError(f"could not load a task's data ({e}); lm-eval downloads each benchmark "
-                            "from the Hugging Face Hub the first time, then reads its cache")
-        except torch.cuda.OutOfMemoryError:
-            raise UserError(f"out of memory on {args.device} at --batch_size={args.batch_size}; lower it")
-        rows = result_rows(output["results"])
-        table = [(task, metric, number(value), number(stderr)) for task, metric, value, stderr in rows]
-        print("\n".join(markdown(["task", "metric", "value", "stderr"], table, labels=2)))
-        for task in output["results"]:
-            saved[task] = {"step": step, "limit": args.limit, "lm_eval_version": output.get("lm_eval_version"),
-                           "samples": output["n-samples"].get(task, {}).get("effective"),
-                           "metrics": {m: [v, s] for t, m, v, s in rows if t == task}}
-        write_json(path, saved)
-        print(f"# written to {path}", file=sys.stderr)
 
 
 def evaluate_or_compare(argv):

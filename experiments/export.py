@@ -12,10 +12,11 @@ The backbone is LLaMA's, weight for weight: qkv and gate_up are split into q/k/v
 gate_proj/up_proj, RMSNorm eps 1e-6, rotate-half rotary with the run's base, no biases. The
 input side becomes an ordinary table: LEV frozen (Model.freeze_lev, LEV for every id) on the lev
 arm, the table itself on the others; the tied arm ties lm_head to it. config.json's "leviathan"
-entry records the arm, the step, the whole model config (LEV's hyper-parameters and its (R)
-sigmoid scale included) and the tokenizer. What transformers cannot hold: LEV itself (only its
-table for these ids), and generation past seq_len (sample.py slides its window; transformers
-extrapolates the rotary positions). Padding ids of the head are suppressed in generation_config.
+entry records the arm, the step, the checkpoint's size and time, the whole model config (LEV's
+hyper-parameters and its (R) sigmoid scale included) and the tokenizer. What transformers cannot
+hold: LEV itself (only its table for these ids), and generation past seq_len (sample.py slides its
+window; transformers extrapolates the rotary positions). Padding ids of the head are suppressed in
+generation_config.
 
 Before it finishes, the export loads the folder with transformers and checks that its logits are
 those of our Model on one window (max |difference| <= 1e-4 x max(1, max |logit|)); and the
@@ -101,11 +102,11 @@ def write_safetensors(path, tensors):
             f.write(memoryview(t.numpy()).cast("B"))  # little-endian on every machine torch runs on
 
 
-def llama_config(transformers, cfg, tok, step):
+def llama_config(transformers, cfg, tok, source):
     if unknown := sorted({f.name for f in dataclasses.fields(Config)} - MAPPED - LEV_ONLY):
         raise UserError(f"model_config field(s) {', '.join(unknown)} have no LlamaForCausalLM equivalent "
                         "known to this export (a newer leviathan.py?); not exported")
-    record = dict(embedding=cfg.embedding, step=step, model_config=dataclasses.asdict(cfg), n_valid=tok.n_vocab,
+    record = dict(embedding=cfg.embedding, **source, model_config=dataclasses.asdict(cfg), n_valid=tok.n_vocab,
                   tokenizer=tok.name,  # o200k_base_first8192: o200k_base cut to 8,192 ids
                   input_side={"lev": "LEV frozen into a [V, D] table (Model.freeze_lev)",
                               "tied": "the tied table (lm_head tied to it)",
@@ -159,7 +160,9 @@ def export_tokenizer(transformers, tok, hf_dir, seq_len):
     try:
         fast_tokenizer(transformers, tok, seq_len).save_pretrained(hf_dir)
         loaded = transformers.AutoTokenizer.from_pretrained(hf_dir)
-        wrong = [t for t in SAMPLE_TEXTS if loaded(t, add_special_tokens=False)["input_ids"] != tok.encode_ordinary(t)]
+        # verbose=False: a sample text longer than seq_len is no error here (transformers would warn)
+        wrong = [t for t in SAMPLE_TEXTS
+                 if loaded(t, add_special_tokens=False, verbose=False)["input_ids"] != tok.encode_ordinary(t)]
         if wrong:
             raise ValueError(f"it encodes {wrong[0][:30]!r}... otherwise")
     except Exception as e:  # an unsupported regex, a tokenizers version that reads the files otherwise
@@ -220,7 +223,9 @@ def export(args):
     transformers.utils.logging.disable_progress_bar()  # the loading check's bar: noise in a one-line report
     hf_dir = check_folder(args.hf_dir)
     start = time.perf_counter()
+    ckpt = os.stat(os.path.join(args.out_dir, "ckpt.pt"))  # before it is read: never a newer one's stat
     model, tok, step = load_model(args.out_dir)
+    source = dict(step=step, checkpoint=[ckpt.st_size, ckpt.st_mtime_ns])  # what experiments.evaluate compares
     # Written beside the target, then swapped in whole: a failed or cut export leaves the earlier one as it was
     partial = f"{hf_dir}.partial"
     if os.path.isdir(partial) and os.listdir(partial) and not os.path.exists(os.path.join(partial, ".lock")):
@@ -231,7 +236,7 @@ def export(args):
             if name != ".lock":
                 os.remove(os.path.join(partial, name))
         cfg = model.cfg
-        window, expected = write_model(transformers, model, tok, step, partial)
+        window, expected = write_model(transformers, model, tok, source, partial)
         del model  # before transformers loads its copy: one model in memory at a time
         gc.collect()
         with_tokenizer, difference = check_export(transformers, tok, cfg.seq_len, partial, window, expected,
@@ -249,7 +254,7 @@ def export(args):
           f"{time.perf_counter() - start:.1f} s")
 
 
-def write_model(transformers, model, tok, step, hf_dir):
+def write_model(transformers, model, tok, source, hf_dir):
     """The weights, config.json and generation_config.json into hf_dir; returns a window of real ids (end-of-text,
     then the sample text, as our model sees a document) and our logits on it, for the check."""
     model.freeze_lev()
@@ -258,7 +263,7 @@ def write_model(transformers, model, tok, step, hf_dir):
     with torch.no_grad():
         expected = model(window)
     write_safetensors(os.path.join(hf_dir, "model.safetensors"), llama_weights(model))
-    llama_config(transformers, cfg, tok, step).save_pretrained(hf_dir)
+    llama_config(transformers, cfg, tok, source).save_pretrained(hf_dir)
     padding = list(range(tok.n_vocab, cfg.vocab_size))  # never sampled (sample.py's n_valid)
     eot = tok.eot_token
     transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,

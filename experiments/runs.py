@@ -92,19 +92,20 @@ def check_same_data(run_dirs):
                             "one prepared folder")
 
 
-def command(options, processes=1, observed=None):
+def command(options, processes=1, observed=None, module=None):
     """train.py with options; more than one process runs under torchrun (DDP, one GPU each). With
-    observed, a JSON file: run by experiments.observe, which writes there what torch did in it."""
+    observed, a JSON file: run by experiments.observe, which writes there what torch did in it. With
+    module, `-m module` in train.py's place (experiments.lev_variants: train.py's main, LEV replaced)."""
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
                 if processes > 1 else [])
     observer = ["-m", "experiments.observe", observed] if observed else []  # torchrun's -m too
-    return [sys.executable, *launcher, *observer, TRAIN, *options]
+    return [sys.executable, *launcher, *observer, *(["-m", module] if module else [TRAIN]), *options]
 
 
-def start(options, processes=1, output=None, env=None, observed=None):
+def start(options, processes=1, output=None, env=None, observed=None, module=None):
     """Start train.py (command()) in a session of its own, with env's variables over this process's; its
     output appended to the file `output`, or to this terminal when None."""
-    argv, env = command(options, processes, observed), {**os.environ, **(env or {})}
+    argv, env = command(options, processes, observed, module), {**os.environ, **(env or {})}
     if output is None:
         return subprocess.Popen(argv, start_new_session=True, env=env)
     os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
@@ -180,7 +181,7 @@ def shown(argv):
     return shlex.join(["python", *(os.path.relpath(a) if a == TRAIN else a for a in argv[1:])])
 
 
-def train(run_dir, options, processes=1, output=None, deadline=None, note=""):
+def train(run_dir, options, processes=1, output=None, deadline=None, note="", module=None):
     """Train into run_dir, resumed from its checkpoint where it has one; print the command first
     (then `note`). Callers skip a finished run: `finished`. Returns wait()'s (exit status, stopped)."""
     options = [*options, f"--out_dir={run_dir}"]
@@ -193,5 +194,5 @@ def train(run_dir, options, processes=1, output=None, deadline=None, note=""):
             for name in os.listdir(run_dir):
                 if name in RUN_FILES or re.fullmatch(r"eval_step\d+\.json", name):
                     os.remove(os.path.join(run_dir, name))
-    print(f"{time.strftime('%H:%M')} {shown(command(options, processes))}{note}", flush=True)
-    return wait(start(options, processes, output), deadline)
+    print(f"{time.strftime('%H:%M')} {shown(command(options, processes, module=module))}{note}", flush=True)
+    return wait(start(options, processes, output, module=module), deadline)

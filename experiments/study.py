@@ -43,7 +43,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
@@ -53,7 +52,7 @@ import numpy as np
 
 from experiments import lev_variants
 from experiments.cli import read_json, run_main
-from experiments.runs import check_same_data, finished, log_records, shown, train as train_run, wait
+from experiments.runs import check_same_data, finished, log_records, train as train_run
 from prepare_data import UserError, load_meta, read_shard, shard_paths, write_shard
 from train import read_options
 
@@ -331,9 +330,9 @@ def sweep(plan_names, deadline=None, part=(1, 1)):
             if deadline and time.time() + (estimate or 0) > deadline:  # a shape not yet measured: try it
                 print(f"not run: {out_dir} (estimated {(estimate or 0) / 60:.0f} min, past the deadline)", flush=True)
                 continue
-            start = train_lev_variant if variant else train_run
-            code, stopped = start(out_dir, args, output=os.path.join(out_dir, "train.out"), deadline=deadline,
-                                  note=f" (estimated {estimate / 60:.0f} min)" if estimate else "")
+            code, stopped = train_run(out_dir, args, output=os.path.join(out_dir, "train.out"), deadline=deadline,
+                                      note=f" (estimated {estimate / 60:.0f} min)" if estimate else "",
+                                      module=lev_variants.__name__ if variant else None)
             if stopped:  # train.py saved a checkpoint and exited: rerun to resume
                 print(f"  stopped at the deadline; `python -m experiments.study sweep {plan_name}` resumes it",
                       flush=True)
@@ -355,21 +354,6 @@ def wait_for_other_parts(plan_name, part, deadline=None, poll_s=60):
             return False
         time.sleep(poll_s)
     return True
-
-
-def train_lev_variant(run_dir, options, output, deadline=None, note=""):
-    """runs.train for a run of a variant of lev_variants.py: the same run folder, resume, output
-    and deadline, with `python -m experiments.lev_variants` in place of train.py (so, like every
-    study command, from the repository root)."""
-    options = [*options, f"--out_dir={run_dir}"]
-    if os.path.exists(os.path.join(run_dir, "ckpt.pt")):
-        options.append("--resume")
-    argv = [sys.executable, "-m", lev_variants.__name__, *options]
-    print(f"{time.strftime('%H:%M')} {shown(argv)}{note}", flush=True)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(output, "a") as f:  # the child has its own copy of the file
-        process = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    return wait(process, deadline)
 
 
 # ---------------------------------------------------------------------------- results

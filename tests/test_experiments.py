@@ -26,15 +26,13 @@ import torch
 import leviathan
 import prepare_data as prep
 import train
-from conftest import (EOT, HERE, META, N_VALID, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
+from conftest import (EOT, HERE, META, SCRIPT_ENV, TRAIN_ARGS, assert_one_error_line, assert_usage_error,
                       exit_status, micro_model, prepare_corpus, random_model, run_script, train_cli,
                       write_choice_task)
 from experiments import acceptance, bench, compare, evaluate, runs, study
 from experiments.cli import run_main
-from experiments.evaluate import LeviathanLM, scoring_windows
-from prepare_data import UserError, tokenizer_from_meta
+from prepare_data import UserError
 from sample import load_model
-from test_leviathan import bias_logits
 
 
 def run_module(tool, *args, env=None, timeout=300):
@@ -208,114 +206,15 @@ def test_ctrl_c_or_sigterm_while_waiting_lets_the_run_save_its_checkpoint_first(
 
 # ---------------------------------------------------------------------------- evaluate.py
 
-needs_lm_eval = pytest.mark.skipif(evaluate.lm_eval is None, reason=f"needs lm-eval: {evaluate.INSTALL}")
-
-
-class Request:
-    """The two fields of an lm-eval Instance that the adapter reads."""
-
-    def __init__(self, *args):
-        self.args, self.task_name = args, "test_task"
+needs_lm_eval = pytest.mark.skipif(evaluate.lm_eval is None, reason=f"needs lm-eval and transformers: {evaluate.INSTALL}")
 
 
 @torch.no_grad()
 def reference_logprobs(model, ids):
-    """log p(ids[t] | ids[:t]) for t = 1.., from one forward pass, padding ids set to -inf."""
+    """log p(ids[t] | ids[:t]) for t = 1.., from one forward pass: the model's softmax over its whole head,
+    padding ids included, as train.py's evaluation and the export's hf model score."""
     logits = model(torch.tensor([ids[:-1]]))[0]
-    logits[:, N_VALID:] = float("-inf")
     return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double()
-
-
-@pytest.fixture(scope="module")
-def eval_model():
-    model = random_model("lev")
-    model.freeze_lev()
-    return model, tokenizer_from_meta(META)
-
-
-def test_scoring_windows_follow_lm_evals_rolling_example():
-    # lm-eval's docstring example: ids 0..9 after a prefix, context 4: each id is scored once,
-    # and the last window keeps a full context while scoring only 8 and 9.
-    assert scoring_windows(["P"], list(range(10)), 4) == [
-        (["P", 0, 1, 2, 3], 4), ([3, 4, 5, 6, 7], 4), ([5, 6, 7, 8, 9], 2)]
-    assert scoring_windows(["P", 0], [1], 4) == [(["P", 0, 1], 1)]
-    assert scoring_windows(["P"], [], 4) == []
-
-
-def test_loglikelihood_equals_the_models_log_probs(eval_model):
-    model, tok = eval_model
-    seq_len = model.cfg.seq_len
-    cases = [("The cat sat on", " the mat"), ("Far too long a context for this model," * 3, " so cut it")]
-    expected = []
-    for context, continuation in cases:
-        cont = tok.encode_ordinary(continuation)
-        ids = [EOT] + tok.encode_ordinary(context) + cont
-        expected.append(reference_logprobs(model, ids[-(seq_len + 1):])[-len(cont):].sum().item())
-    assert len(tok.encode_ordinary(cases[1][0])) > seq_len  # the second context must be truncated
-    for batch_size in (1, 3):  # padded batches give what one request alone does
-        got = LeviathanLM(model, tok, batch_size).loglikelihood([Request(*c) for c in cases + cases[:1]])
-        assert [lp for lp, _ in got] == pytest.approx(expected + expected[:1], abs=1e-5)
-    # A trailing space of the context moves to the continuation, as BPE attaches spaces.
-    moved = LeviathanLM(model, tok).loglikelihood([Request("The cat sat on ", "the mat")])
-    assert moved[0][0] == pytest.approx(expected[0], abs=1e-5)
-
-
-def test_bf16_scores_agree_with_float32(eval_model):
-    """On a GPU the adapter scores in bf16 autocast, the training precision: the log-likelihoods
-    stay within 2% (and 0.05 nats a token) of float32's, here run on the CPU."""
-    model, tok = eval_model
-    requests = [Request("The cat sat on", " the mat"), Request("A dog", " walked to the river and found some bread")]
-    exact = LeviathanLM(model, tok, bf16=False).loglikelihood(requests)
-    fast = LeviathanLM(model, tok, bf16=True).loglikelihood(requests)
-    for (a, _), (b, _), request in zip(exact, fast, requests):
-        tokens = len(tok.encode_ordinary(request.args[1]))
-        assert a != b and abs(a - b) <= max(0.02 * abs(a), 0.05 * tokens), (a, b)  # bf16 did run
-
-
-def repeatable_token(tok, text):
-    """The id of `text` if it encodes to one id, also when repeated."""
-    ids = tok.encode_ordinary(text * 3)
-    assert len(set(ids)) == 1 and len(ids) == 3, ids
-    return ids[0]
-
-
-def test_is_greedy_on_continuations_built_to_be_the_argmax(eval_model):
-    model, tok = eval_model
-    x = repeatable_token(tok, "x")
-    repeatable_token(tok, "q")  # "xxq" must end in a token of its own
-    lm = LeviathanLM(model, tok)
-    requests = [Request("Once upon a", "xxx"), Request("Once upon a", "xxq")]
-    # x gets the largest real logit everywhere; a padding id gets a larger one, which
-    # must take no probability (it is not a token) and not count as the argmax.
-    hooks = [bias_logits(model, [x], 100.0), bias_logits(model, [N_VALID + 20], 1000.0)]
-    try:
-        (logprob_x, greedy_x), (_, greedy_xq) = lm.loglikelihood(requests)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert greedy_x and logprob_x > -1e-6
-    assert not greedy_xq  # greedy means every continuation id is the argmax
-    assert not any(greedy for _, greedy in lm.loglikelihood(requests))  # without the bias
-
-
-def test_loglikelihood_rolling_sums_windows_that_score_each_token_once(eval_model):
-    model, tok = eval_model
-    text = "the quick brown fox jumps over the lazy dog. " * 2
-    tokens = [EOT] + tok.encode_ordinary(text)
-    n = len(tokens) - 1
-    assert 64 < n <= 96, n  # three windows of seq_len = 32: the slices below assume it
-    windows = [(tokens[0:33], 32), (tokens[32:65], 32), (tokens[n - 32:n + 1], n - 64)]
-    expected = sum(reference_logprobs(model, w)[-k:].sum().item() for w, k in windows)
-    for batch_size in (1, 4):
-        got = LeviathanLM(model, tok, batch_size).loglikelihood_rolling([Request(text), Request("tail")])
-        assert got[0] == pytest.approx(expected, rel=1e-6)  # a float32 sum of ~100 log-probs
-        tail = reference_logprobs(model, [EOT] + tok.encode_ordinary("tail")).sum().item()  # one window
-        assert got[1] == pytest.approx(tail, abs=1e-5)
-
-
-def test_generation_requests_are_refused_by_name(eval_model):
-    with pytest.raises(UserError, match="test_task needs generated text"):
-        LeviathanLM(*eval_model).generate_until([Request("Once", {"until": ["\n"]})])
 
 
 @needs_lm_eval
@@ -345,6 +244,21 @@ def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
     saved = json.loads((tmp_path / "run" / "downstream.json").read_text())["local_choice"]
     assert saved["metrics"]["acc"] == [0.5, pytest.approx(math.sqrt(0.25 / 5))]  # sample stderr, n - 1
     assert (saved["step"], saved["samples"], saved["limit"]) == (42, 6, None)
+
+
+@needs_lm_eval
+def test_the_runs_export_is_reused_while_its_checkpoint_is_unchanged(tmp_path, monkeypatch):
+    """<run>/hf is made once per checkpoint: a second evaluation reuses it, a new ckpt.pt (a run trained on)
+    is exported again, and what lm-eval loads is always the checkpoint's step."""
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    made = []
+    real_export = evaluate.export.export
+    monkeypatch.setattr(evaluate.export, "export", lambda args: made.append(args.hf_dir) or real_export(args))
+    assert evaluate.up_to_date_export(run_dir) == (os.path.join(run_dir, "hf"), 42)
+    assert evaluate.up_to_date_export(run_dir) == (os.path.join(run_dir, "hf"), 42) and len(made) == 1
+    state = torch.load(os.path.join(run_dir, "ckpt.pt"), weights_only=True)
+    torch.save(dict(state, step=43), os.path.join(run_dir, "ckpt.pt"))
+    assert evaluate.up_to_date_export(run_dir) == (os.path.join(run_dir, "hf"), 43) and len(made) == 2
 
 
 def test_compare_prints_each_arm_and_the_relative_difference(tmp_path, capsys):
@@ -1078,8 +992,8 @@ def test_lev_variant_knot_scale_starts_as_lev_and_learns_its_scale():
 def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(train_data, tmp_path, monkeypatch,
                                                                                capsys):
     """A variant run stopped at step 2 of 4 (lev_variants.main in this process, train.py's tables left as
-    they are), then resumed to the end by the sweep's command for it (python -m experiments.lev_variants
-    ... --resume): the learnt knot scale is in both checkpoints, and moved in each part. The checkpoint is
+    they are), then resumed to the end by the sweep's command for it (runs.train: python -m
+    experiments.lev_variants ... --resume): the learnt knot scale is in both checkpoints, and moved in each part. The checkpoint is
     the variant's: train.py and sample.py (leviathan.py's LEV) fail to load it, naming its marker, and
     lev_variants refuses to read it as another variant's."""
     monkeypatch.chdir(HERE)  # the module runs from the repository root, as the study does
@@ -1093,7 +1007,8 @@ def test_lev_variant_run_stops_resumes_and_keeps_its_scale_in_the_checkpoint(tra
     scale_at_stop = torch.load(out / "ckpt.pt", weights_only=False)["model"]["lev.scale"]
     assert not runs.finished(out) and not torch.equal(scale_at_stop, torch.full_like(scale_at_stop, 3.0))
     capsys.readouterr()
-    assert study.train_lev_variant(str(out), options, str(tmp_path / "resumed.txt")) == (0, False)
+    resumed = runs.train(str(out), options, output=str(tmp_path / "resumed.txt"), module="experiments.lev_variants")
+    assert resumed == (0, False)
     assert runs.finished(out) and [r["step"] for r in runs.log_records(out, "train")] == [1, 2, 3, 4]
     assert not torch.equal(torch.load(out / "ckpt.pt", weights_only=False)["model"]["lev.scale"], scale_at_stop)
     printed = capsys.readouterr().out.splitlines()

@@ -159,15 +159,14 @@ def test_an_export_through_a_symlink_lands_where_it_points_and_a_mount_point_is_
 
 
 @pytest.mark.parametrize("exported", ["lev"], indirect=True)  # the same for every arm
-def test_lm_evals_own_hf_model_on_the_export_gives_experiments_evaluates_figures(exported, train_data, tmp_path,
-                                                                                  monkeypatch):
-    """A user's lm-eval run on the export, `--model hf --model_args pretrained=DIR,add_bos_token=True`,
-    conditions each context on end-of-text as experiments.evaluate does: on a local multiple-choice task of
-    the corpus's own text, every choice's log-likelihood is ours (to float32 rounding), so every figure is."""
+def test_lm_evals_own_hf_model_on_the_export_gives_each_choices_log_likelihood(exported, train_data, tmp_path,
+                                                                              monkeypatch):
+    """experiments.evaluate's scoring, lm-eval's `hf` model on the export with add_bos_token=True, conditions each
+    context on end-of-text, as training does: on a local multiple-choice task of the corpus's own text, every
+    choice's log-likelihood is the one transformers gives on the export, computed here by hand, to 1e-4."""
     lm_eval = pytest.importorskip("lm_eval", reason=f"needs lm-eval: {evaluate.INSTALL}")
-    run, hf_dir, _ = exported
-    model, tok, _ = load_model(run)
-    model.freeze_lev()
+    run, _, _ = exported
+    _, tok, _ = load_model(run)
     words = tok.decode(val_windows(train_data, 1, 4000)[0].tolist()).split()
     assert len(words) > 30 * 20 + 21
     docs = [{"question": " ".join(words[i:i + 12]), "choices": [" ".join(words[i + 12 + 3 * k:i + 15 + 3 * k])
@@ -176,13 +175,17 @@ def test_lm_evals_own_hf_model_on_the_export_gives_experiments_evaluates_figures
     task = write_choice_task(tmp_path / "tasks", docs)
     for name, value in dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path)).items():
         monkeypatch.setenv(name, value)
-    manager = pytest.importorskip("lm_eval.tasks").TaskManager(include_path=str(task))
+    outputs, real_evaluate = [], lm_eval.simple_evaluate  # what evaluate.py's call gets back from lm-eval
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: outputs.append(real_evaluate(**kw)) or outputs[0])
+    assert evaluate.main([f"--out_dir={run}", "--tasks=local_choice", f"--include_path={task}", "--device=cpu"]) == 0
+    samples = sorted(outputs[0]["samples"]["local_choice"], key=lambda s: s["doc_id"])
+    theirs = [[resp[0][0] for resp in s["resps"]] for s in samples]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
 
-    def choices_logprobs(lm, **kwargs):  # [[log p(choice | question)] per document], in document order
-        out = lm_eval.simple_evaluate(model=lm, tasks=["local_choice"], task_manager=manager, log_samples=True,
-                                      **kwargs)
-        samples = sorted(out["samples"]["local_choice"], key=lambda s: s["doc_id"])
-        return [[resp[0][0] for resp in s["resps"]] for s in samples]
-    ours = choices_logprobs(evaluate.LeviathanLM(model, tok, batch_size=8))
-    theirs = choices_logprobs("hf", model_args=f"pretrained={hf_dir},add_bos_token=True,dtype=float32", device="cpu")
+    def by_hand(question, choice):  # end-of-text, the question, then " " + choice (lm-eval's target_delimiter)
+        context, continuation = [tok.eot_token] + tok.encode_ordinary(question), tok.encode_ordinary(" " + choice)
+        with torch.no_grad():
+            logits = hf(torch.tensor([context + continuation])).logits[0, len(context) - 1:-1]
+        return logits.log_softmax(-1).gather(1, torch.tensor(continuation)[:, None]).sum().item()
+    ours = [[by_hand(doc["question"], choice) for choice in doc["choices"]] for doc in docs]
     assert np.allclose(theirs, ours, rtol=0, atol=1e-4), (theirs[:2], ours[:2])
