@@ -303,7 +303,7 @@ def measured_speed(plan):
     """Median training tokens/s of the runs so far (finished or not) with this plan's vocabulary
     and model options, which fix the speed; None before the first."""
     vocab = load_meta(plan["data"])["vocab_size"]
-    speeds = [speed for plan_name, config, _, speed in load_runs() if speed and plan_name in PLANS
+    speeds = [speed for plan_name, _, config, _, speed in load_runs() if speed and plan_name in PLANS
               and config["model"]["vocab_size"] == vocab and PLANS[plan_name]["options"] == plan["options"]]
     return statistics.median(speeds) if speeds else None
 
@@ -359,7 +359,8 @@ def wait_for_other_parts(plan_name, part, deadline=None, poll_s=60):
 # ---------------------------------------------------------------------------- results
 
 def load_runs(root=STUDY_DIR):
-    """(plan, config, last evaluation, median tokens/s) of every run folder under root/<plan>/."""
+    """(plan, run folder, config, last evaluation, median tokens/s) of every run folder under root/<plan>/:
+    the folder where it is, which a copied or moved run's config.json (its out_dir) does not give."""
     runs = []
     for config_path in sorted(glob.glob(os.path.join(root, "*", "*", "config.json"))):
         out_dir = os.path.dirname(config_path)
@@ -367,7 +368,7 @@ def load_runs(root=STUDY_DIR):
         if not (isinstance(config, dict) and isinstance(config.get("train"), dict)):
             continue  # not a train.py run: an export's config.json, say
         speeds = [r["tokens_per_s"] for r in log_records(out_dir, "train")]
-        runs.append((os.path.basename(os.path.dirname(out_dir)), config, final_eval(out_dir),
+        runs.append((os.path.basename(os.path.dirname(out_dir)), out_dir, config, final_eval(out_dir),
                      statistics.median(speeds) if speeds else None))
     return runs
 
@@ -384,7 +385,7 @@ def table(root=STUDY_DIR):
     runs = load_runs(root)
     print("| plan | arm | lr | input lr | head lr | seed | steps | tokens | val loss | val ppl | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for plan, config, ev, speed in runs:
+    for plan, _, config, ev, speed in runs:
         t = config["train"]
         result = (f"{ev['step']} | {ev['tokens_seen']:,} | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f}"
                   if ev else "- | - | - | -")
@@ -393,11 +394,10 @@ def table(root=STUDY_DIR):
     groups = {}  # (plan, arm, settings) -> the finished runs' last evaluations, one per seed
     group_dirs = {}  # the same key -> those runs' folders
     curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
-    for plan, config, ev, _ in runs:
+    for plan, run_dir, config, ev, _ in runs:
         if ev and ev["tokens_seen"] == config["train"]["total_tokens"]:
             key = (plan, run_label(config), settings(config))
             groups.setdefault(key, []).append(ev)
-            run_dir = os.path.join(root, plan, os.path.basename(config["train"]["out_dir"]))
             group_dirs.setdefault(key, []).append(run_dir)
             curve = {r["step"]: (r["tokens_seen"], r["val_loss"]) for r in log_records(run_dir, "eval")}
             curves.setdefault((plan, run_label(config)), []).append(curve)
@@ -517,12 +517,11 @@ def bucket_table(plan, evals_by_arm):
 COLOURS = dict(lev="tab:red", tied="tab:blue", untied="tab:green")
 
 
-def plot_losses(plt, plan, runs, root):
+def plot_losses(plt, plan, runs):
     """Validation loss (the evaluations) and training loss (every 10th step) against tokens."""
     fig, (val_ax, train_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for _, config, _, _ in runs:
+    for _, run_dir, config, _, _ in runs:
         t = config["train"]
-        run_dir = os.path.join(root, plan, os.path.basename(t["out_dir"]))
         style = dict(color=COLOURS[t["embedding"]], linestyle="-" if t["seed"] == SEEDS[0] else "--",
                      label=f"{t['embedding']} (seed {t['seed']})")
         for ax, kind, key in ((val_ax, "eval", "val_loss"), (train_ax, "train", "loss")):
@@ -539,7 +538,7 @@ def plot_losses(plt, plan, runs, root):
 def plot_buckets(plt, plan, runs):
     """Perplexity per frequency bucket: a group of bars per bucket, the mean loss over seeds."""
     by_arm = {}
-    for _, config, ev, _ in runs:
+    for _, _, config, ev, _ in runs:
         by_arm.setdefault(config["train"]["embedding"], []).append(ev)
     arms = [arm for arm in ARMS if arm in by_arm]
     buckets = by_arm[arms[0]][0]["buckets"]
@@ -569,11 +568,11 @@ def plot(root=STUDY_DIR):
     except ImportError:
         raise UserError("plot needs matplotlib: pip install matplotlib") from None
     os.makedirs(FIGURES_DIR, exist_ok=True)
-    finished = [(plan, config, ev, speed) for plan, config, ev, speed in load_runs(root) if plan not in
-                TUNING_PLANS + VARIANT_PLANS and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
+    finished = [(plan, run_dir, config, ev, speed) for plan, run_dir, config, ev, speed in load_runs(root)
+                if plan not in TUNING_PLANS + VARIANT_PLANS and ev and ev["tokens_seen"] == config["train"]["total_tokens"]]
     for plan in sorted({r[0] for r in finished}):
         runs = [r for r in finished if r[0] == plan]
-        plot_losses(plt, plan, runs, root)
+        plot_losses(plt, plan, runs)
         plot_buckets(plt, plan, runs)
         print(f"wrote {FIGURES_DIR}/loss_{plan}.png and {FIGURES_DIR}/buckets_{plan}.png")
 

@@ -503,8 +503,7 @@ def test_study_table_reads_real_run_folders(train_data, tmp_path, capsys):
     assert "final: validation loss along training" in out and gap_row in out
     # seeds averaged must have read the same data: one trained on data prepared again is refused
     config = json.load(open(tmp_path / "final" / "lev-b" / "config.json"))
-    config["train"]["out_dir"] = str(tmp_path / "final" / "lev-b")
-    config["data"]["train"] = {"train_000000.bin": [1024, 0]}
+    config["data"]["train"] = {"train_000000.bin": [1024, 0]}  # (its out_dir still lev-a's: a copied folder)
     json.dump(config, open(tmp_path / "final" / "lev-b" / "config.json", "w"))
     with pytest.raises(UserError, match=r"lev-a and \S*lev-b were trained on different data"):
         study.table(str(tmp_path))
