@@ -44,10 +44,10 @@ def _split_tokens(out_dir, split):
 
 @pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl", "txt"])
 def test_round_trip_local_formats(tmp_path, fmt):
-    if fmt == "txt":  # one document per file: a folder of them
+    if fmt == "txt":  # one document per file: a folder of them, every other one with a byte-order mark (not text)
         (tmp_path / "corpus").mkdir()
         for i, d in enumerate(DOCS):
-            (tmp_path / "corpus" / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+            (tmp_path / "corpus" / f"doc{i:02d}.txt").write_text(d, encoding="utf-8-sig" if i % 2 else "utf-8")
         src = tmp_path / "corpus"
     elif fmt == "jsonl.zst":
         src = tmp_path / "corpus.jsonl.zst"
