@@ -247,6 +247,28 @@ def test_lm_eval_end_to_end_gives_the_accuracy_computed_by_hand(tmp_path):
 
 
 @needs_lm_eval
+def test_a_generation_task_is_scored_too(tmp_path):
+    """lm-eval's hf model serves every task type: a generate_until task is scored (compare's arms, trained
+    for hours, are never followed by a task that cannot be)."""
+    run_dir = save_run(tmp_path / "run", random_model("lev"))
+    (tmp_path / "tasks").mkdir()
+    with open(tmp_path / "tasks" / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"question": q, "answer": " mat"}) + "\n" for q in ("The cat sat on the", "A mat"))
+    (tmp_path / "tasks" / "local_gen.yaml").write_text(
+        "task: local_gen\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(tmp_path / 'tasks' / 'docs.jsonl'))}\n"
+        'output_type: generate_until\ntest_split: test\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    proc = run_module("evaluate", f"--out_dir={run_dir}", "--tasks=local_gen", f"--include_path={tmp_path / 'tasks'}",
+                      env=env)
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads((tmp_path / "run" / "downstream.json").read_text())["local_gen"]
+    assert saved["samples"] == 2 and saved["metrics"]["exact_match"][0] in (0.0, 0.5, 1.0)
+
+
+@needs_lm_eval
 def test_the_runs_export_is_reused_while_its_checkpoint_is_unchanged(tmp_path, monkeypatch):
     """<run>/hf is made once per checkpoint: a second evaluation reuses it, a new ckpt.pt (a run trained on)
     is exported again, and what lm-eval loads is always the checkpoint's step."""
