@@ -141,9 +141,7 @@ def table(args, tasks):
     """The paper's table as markdown: each arm's figure, lev against tied and untied, the paper's."""
     runs.check_same_data([os.path.join(args.out_dir, arm) for arm in ARMS])
     records = {arm: runs.log_records(os.path.join(args.out_dir, arm), "eval") for arm in ARMS}
-    last = {arm: read_json(os.path.join(args.out_dir, arm, f"eval_step{records[arm][-1]['step']}.json"),
-                           f"delete it and evaluate again: python train.py --eval_only --out_dir={args.out_dir}/{arm}")
-            for arm in ARMS}
+    last = {arm: runs.last_evaluation(os.path.join(args.out_dir, arm)) for arm in ARMS}
     rows = []
 
     def row(label, values, paper="", fmt="{:.4f}"):

@@ -54,6 +54,22 @@ def error_line(output):
         (line for line in lines if re.match(r"\w+(\.\w+)*(Error|Exception)\b", line)), lines[-1])
 
 
+def read_config(run_dir):
+    """A run's config.json: train.py's options (train), the model's shape (model), the data it read (data)."""
+    return read_json(os.path.join(run_dir, "config.json"), "delete the run folder to train it afresh")
+
+
+def last_evaluation(run_dir):
+    """The eval_step{N}.json of the run's last evaluation, or None before the first."""
+    # train.py's own files only: a copy a user made beside them ("eval_step4 (copy).json") is not one
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    steps = [int(m[1]) for name in names if (m := re.fullmatch(r"eval_step(\d+)\.json", name))]
+    if not steps:
+        return None
+    path = os.path.join(run_dir, f"eval_step{max(steps)}.json")
+    return read_json(path, f"delete it and evaluate again: python train.py --eval_only --out_dir={run_dir}")
+
+
 def finished(run_dir, options=None):
     """Whether the run has evaluated at its last step (train.py's last act before exiting). With the
     train.py options it is to have (train.py's own, read_options'), a finished run trained
@@ -61,7 +77,7 @@ def finished(run_dir, options=None):
     config_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(config_path):
         return False
-    config = read_json(config_path, "delete the run folder to train it afresh")
+    config = read_config(run_dir)
     total_tokens = config.get("train", {}).get("total_tokens") if isinstance(config, dict) else None
     if not isinstance(total_tokens, int):
         raise UserError(f"{config_path} lacks the run's total_tokens (an edited or foreign file); "
@@ -84,8 +100,7 @@ def check_same_data(run_dirs):
     """Refuse to put together runs that read different data (config.json's "data": each shard's length
     and the crc32 of its start, as train.py recorded them): side by side, their figures would differ by
     the data as well as by what the table says."""
-    data = [read_json(os.path.join(d, "config.json"), "delete the run folder to train it afresh").get("data")
-            for d in run_dirs]
+    data = [read_config(d).get("data") for d in run_dirs]
     for run_dir, its_data in zip(run_dirs, data):
         if its_data != data[0]:
             raise UserError(f"{run_dirs[0]} and {run_dir} were trained on different data: train them again on "

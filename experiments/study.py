@@ -41,7 +41,6 @@ so the third part runs in one go:
 import glob
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -51,8 +50,8 @@ if not __package__:  # run as a path (python experiments/x.py): the repository's
 import numpy as np
 
 from experiments import lev_variants
-from experiments.cli import read_json, run_main
-from experiments.runs import check_same_data, finished, log_records, train as train_run
+from experiments.cli import run_main
+from experiments.runs import check_same_data, finished, last_evaluation, log_records, read_config, train as train_run
 from prepare_data import UserError, load_meta, read_shard, shard_paths, write_shard
 from train import read_options
 
@@ -230,17 +229,6 @@ def run_label(config):
     return arm_label(arm, variant)
 
 
-def final_eval(out_dir):
-    """The eval_step{N}.json of the run's last evaluation, or None before the first."""
-    # train.py's own files only: a copy a user made beside them ("eval_step4 (copy).json") is not one
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    steps = [int(m[1]) for name in names if (m := re.fullmatch(r"eval_step(\d+)\.json", name))]
-    if not steps:
-        return None
-    path = os.path.join(out_dir, f"eval_step{max(steps)}.json")
-    return read_json(path, f"delete it and evaluate again: python train.py --eval_only --out_dir={out_dir}")
-
-
 def best_settings(arm, plan_names=("tune",)):
     """The tuning run of `arm` with the lowest validation loss over the given tuning plans (the
     protocol's only choice)."""
@@ -248,7 +236,7 @@ def best_settings(arm, plan_names=("tune",)):
     for plan_name in plan_names:
         plan = PLANS[plan_name]
         runs = [r for r in plan["runs"] if r["arm"] == arm]
-        evals = [final_eval(os.path.join(STUDY_DIR, plan_name, run_name(r, plan["seeds"][0]))) for r in runs]
+        evals = [last_evaluation(os.path.join(STUDY_DIR, plan_name, run_name(r, plan["seeds"][0]))) for r in runs]
         if not all(e and e["step"] == plan["steps"] for e in evals):
             raise UserError(f"the {plan_name} runs of {arm} are not all finished: "
                             f"run `python -m experiments.study sweep {plan_name}` first")
@@ -268,7 +256,7 @@ def second_seed_runs(plan_name):
     plan = PLANS[plan_name]
     losses = []
     for run in plan["runs"]:
-        ev = final_eval(os.path.join(STUDY_DIR, plan_name, run_name(run, plan["seeds"][0])))
+        ev = last_evaluation(os.path.join(STUDY_DIR, plan_name, run_name(run, plan["seeds"][0])))
         if not (ev and ev["step"] == plan["steps"]):
             raise UserError(f"the {plan_name} runs are not all finished: run `python -m experiments.study sweep "
                             f"{plan_name}` first")
@@ -364,11 +352,11 @@ def load_runs(root=STUDY_DIR):
     runs = []
     for config_path in sorted(glob.glob(os.path.join(root, "*", "*", "config.json"))):
         out_dir = os.path.dirname(config_path)
-        config = read_json(config_path, "delete the run folder to train it afresh")
+        config = read_config(out_dir)
         if not (isinstance(config, dict) and isinstance(config.get("train"), dict)):
             continue  # not a train.py run: an export's config.json, say
         speeds = [r["tokens_per_s"] for r in log_records(out_dir, "train")]
-        runs.append((os.path.basename(os.path.dirname(out_dir)), out_dir, config, final_eval(out_dir),
+        runs.append((os.path.basename(os.path.dirname(out_dir)), out_dir, config, last_evaluation(out_dir),
                      statistics.median(speeds) if speeds else None))
     return runs
 
@@ -444,7 +432,7 @@ def width_rule(root=STUDY_DIR):
     losses = {}
     for width in WIDTHS:
         for run in multiplier_grid():
-            ev = final_eval(os.path.join(root, f"width{width}", run_name(run, SEEDS[0])))
+            ev = last_evaluation(os.path.join(root, f"width{width}", run_name(run, SEEDS[0])))
             if ev and ev["step"] == PLANS[f"width{width}"]["steps"]:
                 losses[width, tuple(sorted(run.items()))] = ev["val_loss"]
     if len(losses) < len(WIDTHS) * len(multiplier_grid()):

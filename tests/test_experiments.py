@@ -98,7 +98,7 @@ def test_a_damaged_config_or_evaluation_of_a_run_is_one_error_naming_it(train_da
         runs.finished(tmp_path / "run")
     (tmp_path / "run" / "eval_step2.json").write_text("{")
     with pytest.raises(UserError, match="eval_step2.json: not valid JSON.*--eval_only"):
-        study.final_eval(tmp_path / "run")
+        runs.last_evaluation(tmp_path / "run")
 
 
 def test_a_run_still_going_keeps_its_files_when_its_command_is_run_again(train_data, tmp_path):
@@ -1087,7 +1087,7 @@ def test_study_third_part_plans_carry_their_stated_settings():
 
 
 def finish_fake_run(out_dir, val_loss, steps=3000):
-    """A run folder that finished.finished and final_eval read as done at `steps` with val_loss."""
+    """A run folder that runs.finished and runs.last_evaluation read as done at `steps` with val_loss."""
     os.makedirs(out_dir)
     prep.write_json(os.path.join(out_dir, "config.json"), {"train": {"total_tokens": steps * 4096}})
     with open(os.path.join(out_dir, "log.jsonl"), "w") as f:
