@@ -1,4 +1,5 @@
-"""The one way the experiments run train.py: the command, a run's log, starting and stopping it.
+"""The one way the experiments run train.py and read its run folders: the command, starting and stopping
+it, a run's config, log and last evaluation, and whether runs read the same data.
 
 compare.py and study.py train run folders to their end (`finished`, `train`); bench.py starts
 several runs together and waits for each (`start`, `wait`, `stop`). Every run is a subprocess in
