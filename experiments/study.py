@@ -13,18 +13,13 @@ Run from the repository root:
     python -m experiments.study table         # every run, the seed summary, the frequency buckets
     python -m experiments.study plot          # experiments/figures/*.png (needs `pip install matplotlib`)
 
-The protocol is the PLANS below. `tune`, `final`, `vocab32k` and `long` were fixed before any
-result was seen, except `vocab32k`'s second seed (see its comment); `edges` and `retuned` were
-added after the results of `tune`, `final`, `vocab32k` and `long` were known, so they are not part
-of the protocol fixed beforehand. Learning rates are chosen on the TUNING half of the validation
-split; the tables report the FINAL half, which no choice saw. Plans run in the order given;
-`final`, `vocab32k` and `long` use each arm's best `tune` run, so `tune` must be finished first,
-and `retuned` needs `edges`. The second part (the width sweep, `tune-long` and `compare-long`, which
-needs `tune-long`) was fixed before any of its runs, and so was the third (`lev-variants`, its
-derived second seed `lev-variants-seed2`, and `vocab32k-long`), which states every setting in its
-plans rather than reading them from earlier runs. `sweep` drives train.py in a subprocess
-(runs.py), one run at a time, skips finished runs and resumes interrupted ones, so it can be
-stopped and started again at will.
+The protocol is the PLANS below; study.md says which plans were fixed before any result and which
+were added after. Learning rates are chosen on the TUNING half of the validation split; the tables
+report the FINAL half, which no choice saw. Plans run in the order given; `final`, `vocab32k` and
+`long` use each arm's best `tune` run, so `tune` must be finished first, `retuned` needs `edges` and
+`compare-long` needs `tune-long`; the third part states every setting in its plans. `sweep` drives
+train.py in a subprocess (runs.py), one run at a time, skips finished runs and resumes interrupted
+ones, so it can be stopped and started again at will.
 On a machine busy with other jobs, `OMP_NUM_THREADS=1 python -m experiments.study sweep ...` trains
 faster: two OpenMP threads on oversubscribed cores spend their time waiting for each other.
 `--part=K/N` shares a plan's runs among N sweeps, one per core, for example on two cores:
