@@ -24,6 +24,7 @@ from train import RESUME_FREE, RUN_FILES, read_options
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TRAIN = os.path.join(ROOT, "train.py")  # absolute: the run folders' paths stay relative to the caller's folder
 PREPARE_DATA = os.path.join(ROOT, "prepare_data.py")
+EVALUATION = re.compile(r"eval_step(\d+)\.json")  # train.py's evaluation at a step, by its file's whole name
 
 
 def log_records(run_dir, kind):
@@ -64,7 +65,7 @@ def last_evaluation(run_dir):
     """The eval_step{N}.json of the run's last evaluation, or None before the first."""
     # train.py's own files only: a copy a user made beside them ("eval_step4 (copy).json") is not one
     names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
-    steps = [int(m[1]) for name in names if (m := re.fullmatch(r"eval_step(\d+)\.json", name))]
+    steps = [int(m[1]) for name in names if (m := EVALUATION.fullmatch(name))]
     if not steps:
         return None
     path = os.path.join(run_dir, f"eval_step{max(steps)}.json")
@@ -208,7 +209,7 @@ def train(run_dir, options, processes=1, output=None, deadline=None, note="", mo
         # run's; not while the run is still going there (the command that started it killed alone)
         with hold_folder(run_dir):
             for name in os.listdir(run_dir):
-                if name in RUN_FILES or re.fullmatch(r"eval_step\d+\.json", name):
+                if name in RUN_FILES or EVALUATION.fullmatch(name):
                     os.remove(os.path.join(run_dir, name))
     print(f"{time.strftime('%H:%M')} {shown(command(options, processes, module=module))}{note}", flush=True)
     return wait(start(options, processes, output, module=module), deadline)
