@@ -117,7 +117,6 @@ class LEV(nn.Module):
             modes = separable_modes(t, self.spline)  # 3c-3e: M_l, [h, N, r]
             return torch.einsum("hnr,hrD->nD", modes, self.out_proj)  # 3f, 4
 
-    @torch.compiler.disable
     def forward(self, ids, distinct=None):
         """ids of any shape -> [..., D]. LEV depends only on the id, so it runs once per *distinct*
         id of the batch (~30k in 262k o200k tokens), then is gathered back. distinct: the ids'
@@ -206,17 +205,19 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 class KVCache:
-    """Each layer's keys and values so far: a new token costs one position, not a rerun."""
-    def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
-        shape = (n_layer, batch, n_head, max_len, head_dim)
+    """One layer's keys and values so far: a new token costs one position, not a rerun. One object
+    a layer, not one index into a shared tensor: a compiled block then serves every layer."""
+    def __init__(self, batch, n_head, max_len, head_dim, device, dtype):
+        shape = (batch, n_head, max_len, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # positions filled; also the rotary position of the next token
-    def update(self, layer, k, v):
+    def update(self, k, v):
         start, end = self.length, self.length + k.shape[2]
-        self.keys[layer, :, :, start:end] = k
-        self.values[layer, :, :, start:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -224,7 +225,7 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-    def forward(self, x, cos, sin, cache=None, layer=0):
+    def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -232,7 +233,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             start = cache.length
-            k, v = cache.update(layer, k, v)
+            k, v = cache.update(k, v)
             # new query t (at position start + t) may see cached keys 0..start + t
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -252,8 +253,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = nn.RMSNorm(cfg.d_model, eps=1e-6), Attention(cfg)
         self.mlp_norm, self.mlp = nn.RMSNorm(cfg.d_model, eps=1e-6), SwiGLU(cfg)
-    def forward(self, x, cos, sin, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 # ----------------------------------------------------------- the model: embedding -> blocks -> head
@@ -302,9 +303,10 @@ class Model(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, reduction="mean", distinct=None):
         """idx [B, T] -> float32 logits [B, T, V] for every position; with targets, the
-        cross-entropy instead (the mean, or per token [B, T] with reduction="none"). distinct:
-        distinct_ids(idx), made by the caller (LEV only; see LEV.forward)."""
-        start = cache.length if cache is not None else 0
+        cross-entropy instead (the mean, or per token [B, T] with reduction="none"). cache:
+        new_cache()'s, which idx extends. distinct: distinct_ids(idx), made by the caller (LEV only;
+        see LEV.forward)."""
+        start = cache[0].length if cache is not None else 0
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"{start + idx.shape[1]} positions exceed seq_len={self.cfg.seq_len}")
         cos = self.rope_cos[start:start + idx.shape[1]]
@@ -313,10 +315,8 @@ class Model(nn.Module):
             x = F.embedding(idx, self.frozen_table)
         else:
             x = self.lev(idx, distinct) if self.cfg.embedding == "lev" else self.embed(idx)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, layer)
-        if cache is not None:
-            cache.length += idx.shape[1]
+        for block, layer_cache in zip(self.blocks, cache or [None] * len(self.blocks), strict=True):
+            x = block(x, cos, sin, layer_cache)
         x = self.norm(x)
         if targets is None:
             return self.head(x).float()
@@ -326,15 +326,21 @@ class Model(nn.Module):
         return losses.view(targets.shape) if reduction == "none" else losses
 
     def new_cache(self, batch):
-        p = self.head.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, self.cfg.seq_len,
-                       self.cfg.d_model // self.cfg.n_head, p.device, p.dtype)
+        """forward's cache: a KVCache for each block."""
+        p, head_dim = self.head.weight, self.cfg.d_model // self.cfg.n_head
+        return [KVCache(batch, self.cfg.n_head, self.cfg.seq_len, head_dim, p.device, p.dtype)
+                for _ in self.blocks]
 
     def compile(self, dynamic=None, **options):
-        """torch.compile in place (same state_dict keys); what it sees: compile_lev."""
+        """torch.compile in place (same state_dict keys), block by block: every block runs the same
+        code on weights of the same shapes, so the graph compiled for the first serves all n_layer.
+        The whole model as one graph would be traced through every block, and under DDP cut at each
+        of its gradient buckets (~200 at 1.2b): minutes of compiling on every rank at every start.
+        What else the compiler sees: compile_lev."""
         if self.cfg.embedding == "lev":
             compile_lev(self.lev, **options)
-        nn.Module.compile(self, dynamic=dynamic, **options)
+        for block in self.blocks:
+            block.compile(dynamic=dynamic, **options)
 
     @torch.no_grad()
     def freeze_lev(self):
@@ -720,8 +726,8 @@ def linear_cross_entropy(x, weight, targets, reduction="mean"):
 # -------------------------------------------------------------------------- what torch.compile sees
 
 def compile_lev(lev, **options):
-    """LEV.generate compiled for any number of ids (Model.compile calls it; the model is compiled in
-    place). What the compiler sees, and why:
+    """LEV.generate compiled for any number of ids (Model.compile calls it, then compiles blocks).
+    What the compiler sees, and why:
     - LEV.forward stays out: torch.unique's output size changes every batch, the backbone's never.
     - separable_modes stays out: traced, its backward's rebuilt phi would be merged with the
       forward's and saved. Its kernels are compiled on their own (Fused), as only then does phi stay

@@ -674,10 +674,10 @@ def record_windows(model):
 
     def spy(idx, targets=None, cache=None):
         new = idx[0].tolist()
-        if cache is None or cache.length == 0:
+        if cache is None or cache[0].length == 0:
             windows.append(("full" if cache is None else "fill", new))
         else:  # a cache must hold exactly the previous window; one position is added
-            assert cache.length == len(windows[-1][1]) and len(new) == 1
+            assert cache[0].length == len(windows[-1][1]) and len(new) == 1
             windows.append(("step", windows[-1][1] + new))
         return forward(idx, targets, cache)
     model.forward = spy

@@ -344,7 +344,7 @@ DDP_PROBE = """
 import functools, json, os, sys, torch
 from torch._dynamo.utils import counters
 import leviathan, train
-# a quick compiler: the graph split under test is TorchDynamo's DDP optimizer's, whatever the backend
+# a quick compiler: how often a graph is compiled under DDP is TorchDynamo's affair, whatever the backend
 leviathan.Model.compile = functools.partialmethod(leviathan.Model.compile, backend="aot_eager")
 torch.nn.parallel.DistributedDataParallel = functools.partial(torch.nn.parallel.DistributedDataParallel,
                                                             bucket_cap_mb=1)  # the smallest the DDP optimizer takes
@@ -366,23 +366,22 @@ train.shut_down(run, 0)
 """
 
 
-def test_ddp_splits_the_compiled_graph_and_accumulates_in_its_buckets(train_data, tmp_path):
-    """Compiled in place and then wrapped (build's order), the model's first forward runs inside
-    DDP's, so TorchDynamo splits its graph at DDP's buckets and each bucket's all-reduce can start
-    during the backward: more than one graph. Under accumulation the gradients stay views into
-    DDP's buckets, so no micro-step makes a second copy of them."""
+def test_ddp_runs_one_compiled_graph_for_every_block_and_accumulates_in_its_buckets(train_data, tmp_path):
+    """Compiled in place block by block and then wrapped (build's order): the graph compiled for the
+    first block serves the other three, inside DDP's forward as on one process. Under accumulation the
+    gradients stay views into DDP's buckets, so no micro-step makes a second copy of them."""
     probe = tmp_path / "probe.py"
     probe.write_text(DDP_PROBE)
     r = run_script(probe, f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS,
-                   "--embedding=tied", "--d_model=128", "--n_layer=2", "--compile", "--batch_tokens=1024",
-                   "--total_tokens=4096",  # 2.0 MB of weights: 2 buckets or more
+                   "--embedding=tied", "--d_model=128", "--n_layer=4", "--compile", "--batch_tokens=1024",
+                   "--total_tokens=4096",  # 3.4 MB of weights: 2 buckets or more
                    launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in range(2):
         report = json.loads((tmp_path / "run" / f"probe{rank}.json").read_text())
-        assert report["params"] == 14 and 1 < report["buckets"] < 14, report  # gradients are bucket views
-        assert report["graphs"] == report["buckets"], report  # one graph per bucket (the DDP optimizer's split)
-        assert report["accumulations"] == 2 * 14 and report["in_buckets"] == 2 * 14, report  # 2 micro-steps
+        assert report["params"] == 26 and 1 < report["buckets"] < 26, report  # gradients are bucket views
+        assert report["graphs"] == 1, report  # one block's graph, compiled once for all four
+        assert report["accumulations"] == 2 * 26 and report["in_buckets"] == 2 * 26, report  # 2 micro-steps
 
 
 # ---------------------------------------------------------------------------- the step
