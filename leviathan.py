@@ -10,6 +10,7 @@ its three arms (lev / tied / untied), generation; then an appendix that exists o
 memory (skip it on a first reading). Imports only torch: copy this file alone. Sizes: train.py.
 """
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -659,6 +660,19 @@ def fused_softmax_gradient_(logits, targets, n):
 
 FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
 
+@functools.cache
+def adds_bf16_products_into_float32(device):
+    """Whether torch.addmm here adds a bf16 product into a float32 matrix in place (out_dtype:
+    CUDA, in recent torch), checked on a small case against the product made apart."""
+    a, b = (torch.randn(64, n, device=device).to(torch.bfloat16) for n in (32, 16))
+    total = torch.randn(32, 16, device=device)
+    want = total + a.t().float() @ b.float()  # bf16 values are exact in float32 (and TF32)
+    try:
+        torch.addmm(total, a.t(), b, out_dtype=torch.float32, out=total)
+    except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype, or not for these dtypes
+        return False
+    return torch.allclose(total, want, rtol=1e-4, atol=1e-4)
+
 # ----------------------------------------------------------------------------- the loss as one call
 # A custom operator, so torch.compile sees the loss as one opaque call: traced, its loop would be
 # unrolled, and inductor would keep a [V, D] partial of dL/dW alive per chunk (~0.8 GB at 1.2b).
@@ -683,8 +697,10 @@ def chunked_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, d
             grad_x[c].copy_(g @ w)
             if g.dtype == grad_w.dtype:
                 grad_w.addmm_(g.t(), x_c)  # float32: accumulate in place, no [V, D] temporary
+            elif adds_bf16_products_into_float32(g.device):
+                torch.addmm(grad_w, g.t(), x_c, out_dtype=torch.float32, out=grad_w)  # the same
             else:
-                grad_w += g.t() @ x_c  # bf16 product, accumulated in float32
+                grad_w += g.t() @ x_c  # a bf16 [V, D] product, then added: ~3x the memory traffic
         del g  # before the next chunk's logits exist
     return total / n, grad_x, grad_w
 

@@ -7,6 +7,7 @@ The tests of LEV's kernels (host waits, Fused, Triton's interpreter) and of the 
 sampling, the research tools) are in tests/.
 """
 import dataclasses
+import functools
 import math
 import weakref
 
@@ -481,6 +482,38 @@ def test_the_loss_holds_one_chunk_of_logits_at_a_time(monkeypatch, dtype):
     one_chunk = chunk * V * (4 + (size if dtype != torch.float32 else 0))
     assert tracker.peak <= outputs + head + product + one_chunk + 64 * chunk * D, tracker.peak
     assert tracker.peak >= outputs + one_chunk  # it did measure the chunk
+
+
+def test_dl_dw_is_added_into_float32_in_place_where_torch_adds_it_right(monkeypatch):
+    """Under bf16 each chunk's G^T x goes into the float32 dL/dW by torch.addmm's out_dtype
+    where the probe finds it right (CUDA in recent torch; emulated here), else it is made apart
+    (this CPU; or an addmm that drops the sum so far): the same gradients either way."""
+    n, V, D, chunk = 96, 512, 8, 16
+    monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 6 chunks
+    x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
+    probe = leviathan.adds_bf16_products_into_float32.__wrapped__
+    real_addmm, calls = torch.addmm, []
+
+    def emulated_addmm(keeps_the_sum):
+        def addmm(total, m1, m2, *, out_dtype, out):
+            calls.append(out_dtype)
+            return out.copy_((total if keeps_the_sum else 0) + m1.float() @ m2.float())
+        return addmm
+    results = {}
+    cases = {"this CPU": real_addmm, "out_dtype": emulated_addmm(True),
+             "wrong": emulated_addmm(False)}
+    for case, addmm in cases.items():
+        calls.clear()
+        monkeypatch.setattr(torch, "addmm", addmm)
+        fresh_probe = functools.cache(probe)  # not the answer an earlier case left
+        monkeypatch.setattr(leviathan, "adds_bf16_products_into_float32", fresh_probe)
+        results[case] = leviathan.chunked_loss(x, w, targets, torch.bfloat16, True)
+        results[case + " calls"] = len(calls)
+    calls_made = (results["this CPU calls"], results["out_dtype calls"], results["wrong calls"])
+    assert calls_made == (0, 1 + n // chunk, 1)  # the probe's, and one a chunk where it passed
+    for case in ("out_dtype", "wrong"):
+        for got, want in zip(results[case], results["this CPU"], strict=True):  # to bf16's rounding
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 class LogitPasses(TorchDispatchMode):

@@ -362,8 +362,9 @@ def memory_estimate(size):
     layers, tokens, V, D = base.n_layer, preset.micro_batch * base.seq_len, base.vocab_size, base.d_model
     chunk = max(1, min(tokens, LOSS_CHUNK_LOGITS // V))
     # The peak comes with every activation saved: at the end of forward, inside the loss (a chunk's
-    # bf16 logits, overwritten by G in the fused step; the bf16 head and a bf16 [V, D] product), or at
-    # the start of backward (dL/dW scaled, float32 [V, D], and a layer's activation gradients), the larger.
+    # bf16 logits, overwritten by G in the fused step; the bf16 head and a bf16 [V, D] product, counted
+    # though a torch with addmm's out_dtype makes none), or at the start of backward (dL/dW scaled,
+    # float32 [V, D], and a layer's activation gradients), the larger.
     in_flight = max(chunk * V * 2 + 2 * V * D * 2, V * D * 4 + d * tokens)
     return {
         "weights, gradients, AdamW (16 B per parameter)": 16 * parameter_count(base),
