@@ -19,6 +19,7 @@ import math
 import os
 import runpy
 import sys
+import threading
 if not __package__:  # run as a path (python experiments/x.py): the repository is out of reach
     sys.exit("error: run it from the repository's root as: python -m experiments.observe")
 
@@ -34,10 +35,12 @@ def observe(path):
     """Install the observers; each writes to path what has been observed so far (rank 0 alone)."""
     observed = dict(comm_hook="none", hook_error=None, steps=[])
     writes = os.environ.get("RANK", "0") == "0"  # torchrun's rank; every rank sees the same
+    lock = threading.Lock()  # a bucket's comparison runs on the thread that ends its all-reduce
 
     def save():
         if writes:
-            write_json(path, observed)
+            with lock:  # one write at a time: two would rename the same temporary file
+                write_json(path, observed)
 
     def after_step(optimizer, args, kwargs):
         observed["steps"].append(dict(graphs=counters["stats"]["unique_graphs"],

@@ -840,6 +840,39 @@ def test_acceptance_toy_passes_every_check_on_a_cpu(train_data, tmp_path, monkey
     assert not (tmp_path / "runs").exists()
 
 
+OBSERVED_FROM_TWO_THREADS = """
+import sys, threading, torch
+from experiments import observe
+observe.observe(sys.argv[1])
+parameter = torch.nn.Parameter(torch.zeros(1))
+optimizer = torch.optim.SGD([parameter], lr=0.1)
+errors = []
+def steps():
+    try:
+        for _ in range(100):
+            optimizer.step()  # each one rewrites the observed file
+    except OSError as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=steps) for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(errors)
+"""
+
+
+def test_observe_writes_its_file_from_two_threads_at_once(tmp_path):
+    """DDP ends a bucket's all-reduce, and observe.py's comparison writes its file, on a thread of its
+    own, while the step's own write may be under way: two writes at once each make the whole file (two
+    renames of one temporary file failed the second, which stopped the acceptance run's DDP run)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(OBSERVED_FROM_TWO_THREADS)
+    r = run_script(probe, str(tmp_path / "observed.json"))
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    assert len(json.loads((tmp_path / "observed.json").read_text())["steps"]) == 200
+
+
 def test_acceptance_fails_the_bug_each_check_is_named_for(train_data, tmp_path):
     """In a copy of the code, four bugs, each caught by its own check: the evaluation reporting half of every
     loss (eval), LEV's backward dropping a partial last seed chunk (lev_reference: the toy's chunks are ragged),
