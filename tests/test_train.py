@@ -349,38 +349,47 @@ leviathan.Model.compile = functools.partialmethod(leviathan.Model.compile, backe
 torch.nn.parallel.DistributedDataParallel = functools.partial(torch.nn.parallel.DistributedDataParallel,
                                                             bucket_cap_mb=1)  # the smallest the DDP optimizer takes
 run = train.set_up(sys.argv[1:])
+steps = []  # (loss, gradient norm) of each step
 for run.step in range(2):  # DDP makes the gradients views into its buckets at the second forward
-    train.train_step(run)
+    steps.append(train.train_step(run)[:2])
 params = [p for p in run.raw_model.parameters() if p.requires_grad]
 buckets = [None if p.grad is None else p.grad.untyped_storage().data_ptr() for p in params]
 seen = []  # whether each accumulation of the third step, micro-steps included, lands in a bucket
 for i, p in enumerate(params):
     p.register_post_accumulate_grad_hook(lambda p, i=i: seen.append(p.grad.untyped_storage().data_ptr() == buckets[i]))
 run.step = 2
-train.train_step(run)
+steps.append(train.train_step(run)[:2])
 report = dict(graphs=counters["aot_autograd"]["total"], params=len(params), buckets=len(set(buckets)),
-              accumulations=len(seen), in_buckets=sum(seen))
+              accumulations=len(seen), in_buckets=sum(seen), steps=steps)
 with open(os.path.join(run.config.out_dir, f"probe{run.rank}.json"), "w") as f:
     json.dump(report, f)
 train.shut_down(run, 0)
 """
 
 
-def test_ddp_runs_one_compiled_graph_for_every_block_and_accumulates_in_its_buckets(train_data, tmp_path):
+def test_compiled_ddp_runs_one_graph_for_every_block_and_matches_one_process(train_data, tmp_path):
     """Compiled in place block by block and then wrapped (build's order): the graph compiled for the
-    first block serves the other three, inside DDP's forward as on one process. Under accumulation the
+    first block serves the other three, inside DDP's forward as on one process, and 2 ranks train as
+    one process does (the same losses and gradient norms over 3 steps). Under accumulation the
     gradients stay views into DDP's buckets, so no micro-step makes a second copy of them."""
     probe = tmp_path / "probe.py"
     probe.write_text(DDP_PROBE)
-    r = run_script(probe, f"--data_dir={train_data}", f"--out_dir={tmp_path / 'run'}", *TRAIN_ARGS,
-                   "--embedding=tied", "--d_model=128", "--n_layer=4", "--compile", "--batch_tokens=1024",
-                   "--total_tokens=4096",  # 3.4 MB of weights: 2 buckets or more
-                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
-    assert r.returncode == 0, r.stdout + r.stderr
-    for rank in range(2):
-        report = json.loads((tmp_path / "run" / f"probe{rank}.json").read_text())
-        assert report["params"] == 26 and 1 < report["buckets"] < 26, report  # gradients are bucket views
+    reports = {}
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for processes, launcher in ((1, []), (2, torchrun)):
+        out = tmp_path / f"run{processes}"
+        r = run_script(probe, f"--data_dir={train_data}", f"--out_dir={out}", *TRAIN_ARGS,
+                       "--embedding=tied", "--d_model=128", "--n_layer=4", "--compile", "--batch_tokens=1024",
+                       "--total_tokens=4096",  # 3.4 MB of weights: 2 buckets or more
+                       launcher=launcher)
+        assert r.returncode == 0, r.stdout + r.stderr
+        reports[processes] = [json.loads((out / f"probe{rank}.json").read_text())
+                              for rank in range(processes)]
+    for report in reports[1] + reports[2]:
         assert report["graphs"] == 1, report  # one block's graph, compiled once for all four
+        assert np.ravel(report["steps"]) == pytest.approx(np.ravel(reports[1][0]["steps"]), abs=1e-5), report
+    for report in reports[2]:
+        assert report["params"] == 26 and 1 < report["buckets"] < 26, report  # gradients are bucket views
         assert report["accumulations"] == 2 * 26 and report["in_buckets"] == 2 * 26, report  # 2 micro-steps
 
 
