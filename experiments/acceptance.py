@@ -877,11 +877,11 @@ def lev_compiled(data_dir, device, shape):
     if device.type == "cuda":
         compile_lev(lev)
     for _ in range(3):
-        lev_forward_backward(lev, ids, distinct)
+        lev_step_seconds(lev, ids, distinct)
     return lev, ids, distinct
 
-def lev_forward_backward(lev, ids, distinct):
-    """Seconds of one forward and backward of LEV (waiting for the GPU)."""
+def lev_step_seconds(lev, ids, distinct):
+    """Seconds of one forward and backward of LEV as a training step runs it (waiting for the GPU)."""
     start = time.perf_counter()
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
         embeddings = lev(ids, distinct)
@@ -893,7 +893,7 @@ def lev_forward_backward(lev, ids, distinct):
 def lev_timed(lev, ids, distinct):
     """LEV alone, its median over 10 calls on an otherwise idle GPU."""
     return dict(zipf_exponent=ZIPF_EXPONENT, tokens=ids.numel(), distinct_ids=ids.unique().numel(),
-                seconds=statistics.median(lev_forward_backward(lev, ids, distinct) for _ in range(10)))
+                seconds=statistics.median(lev_step_seconds(lev, ids, distinct) for _ in range(10)))
 
 def disk_speed(out_dir, size, shape, data_dir):
     """Write + fsync of a file of `size` bytes in out_dir (then deleted): GB/s, and what a save of the 1.2b
