@@ -664,8 +664,9 @@ FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
 def adds_bf16_products_into_float32(device):
     """Whether torch.addmm here adds a bf16 product into a float32 matrix in place (out_dtype:
     CUDA, in recent torch), checked on a small case against the product made apart."""
-    a, b = (torch.randn(64, n, device=device).to(torch.bfloat16) for n in (32, 16))
-    total = torch.randn(32, 16, device=device)
+    a, b = (torch.linspace(-2, 2, 64 * n, device=device).view(64, n).to(torch.bfloat16)
+            for n in (32, 16))  # not random: training's random numbers stay as they were
+    total = torch.linspace(-5, 5, 32 * 16, device=device).view(32, 16)
     want = total + a.t().float() @ b.float()  # bf16 values are exact in float32 (and TF32)
     try:
         torch.addmm(total, a.t(), b, out_dtype=torch.float32, out=total)
