@@ -160,7 +160,7 @@ def table(args, tasks):
     for label, values in downstream_rows(args, tasks):
         row(label, values)
     lines = [f"# Leviathan against its baselines, {args.size}", "",
-             *evaluate.side_by_side([""], ARMS, "lev", rows, ["paper, lev vs tied"]), "",
+             *runs.side_by_side([""], ARMS, "lev", rows, ["paper, lev vs tied"]), "",
              f"The paper also reports (model size not given here): {PAPER_OTHER}. Evaluated tokens: "
              f"{last['tied']['eval_tokens']:,}; lower is better for loss and perplexity, higher for accuracy."]
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ if not __package__:  # run as a path (python experiments/x.py): the repository's
 import torch
 
 from experiments import export
+from experiments.runs import markdown, side_by_side
 from experiments.cli import read_json, run_main
 from prepare_data import UserError, hold_folder, write_json
 
@@ -164,35 +165,6 @@ def result_rows(results):
 
 def number(value):
     return "-" if value is None else f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4f}"
-
-
-def markdown(header, rows, labels):
-    """Lines of a markdown table padded to line up in a terminal too: the first `labels` columns
-    flush left, the figures after them flush right."""
-    cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
-
-    def line(row):
-        return "| " + " | ".join(c.ljust(w) if i < labels else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
-    rule = "|" + "|".join("-" * (w + 2) if i < labels else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
-    return [line(cells[0]), rule] + [line(row) for row in cells[1:]]
-
-
-def relative(value, base):
-    return "-" if value is None or not base else f"{value / base - 1:+.1%}"
-
-
-def side_by_side(labels, names, focus, rows, extra=()):
-    """The comparison table (evaluate.py --compare, compare.py) as markdown lines: per row its label
-    cells, each name's cell, focus's relative difference to each other name, then the extra cells.
-    rows: [(label cells, {name: (value, cell)}, extra cells)]; a value of None has no difference."""
-    others = [name for name in names if name != focus]
-    header = [*labels, *names, *(f"{focus} vs {name}" for name in others), *extra]
-    body = [[*label_cells, *(values[name][1] for name in names),
-             *(relative(values[focus][0], values[name][0]) for name in others), *extra_cells]
-            for label_cells, values, extra_cells in rows]
-    return markdown(header, body, len(labels))
 
 
 def read_results(out_dir):

@@ -1,5 +1,6 @@
 """The one way the experiments run train.py and read its run folders: the command, starting and stopping
-it, a run's config, log and last evaluation, and whether runs read the same data.
+it, a run's config, log and last evaluation, whether runs read the same data, and the markdown tables
+every tool prints of them (`markdown`, `side_by_side`).
 
 compare.py and study.py train run folders to their end (`finished`, `train`); bench.py starts
 several runs together and waits for each (`start`, `wait`, `stop`). Every run is a subprocess in
@@ -213,3 +214,32 @@ def train(run_dir, options, processes=1, output=None, deadline=None, note="", mo
                     os.remove(os.path.join(run_dir, name))
     print(f"{time.strftime('%H:%M')} {shown(command(options, processes, module=module))}{note}", flush=True)
     return wait(start(options, processes, output, module=module), deadline)
+
+
+def markdown(header, rows, labels):
+    """Lines of a markdown table padded to line up in a terminal too: the first `labels` columns
+    flush left, the figures after them flush right."""
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
+
+    def line(row):
+        return "| " + " | ".join(c.ljust(w) if i < labels else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
+    rule = "|" + "|".join("-" * (w + 2) if i < labels else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return [line(cells[0]), rule] + [line(row) for row in cells[1:]]
+
+
+def relative(value, base):
+    return "-" if value is None or not base else f"{value / base - 1:+.1%}"
+
+
+def side_by_side(labels, names, focus, rows, extra=()):
+    """The comparison table (evaluate.py --compare, compare.py) as markdown lines: per row its label
+    cells, each name's cell, focus's relative difference to each other name, then the extra cells.
+    rows: [(label cells, {name: (value, cell)}, extra cells)]; a value of None has no difference."""
+    others = [name for name in names if name != focus]
+    header = [*labels, *names, *(f"{focus} vs {name}" for name in others), *extra]
+    body = [[*label_cells, *(values[name][1] for name in names),
+             *(relative(values[focus][0], values[name][0]) for name in others), *extra_cells]
+            for label_cells, values, extra_cells in rows]
+    return markdown(header, body, len(labels))

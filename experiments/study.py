@@ -46,7 +46,8 @@ import numpy as np
 
 from experiments import lev_variants
 from experiments.cli import run_main
-from experiments.runs import check_same_data, finished, last_evaluation, log_records, read_config, train as train_run
+from experiments.runs import (check_same_data, finished, last_evaluation, log_records, markdown, read_config,
+                              side_by_side, train as train_run)
 from prepare_data import UserError, load_meta, read_shard, shard_paths, write_shard
 from train import read_options
 
@@ -366,14 +367,14 @@ def table(root=STUDY_DIR):
     """Markdown: every run (finished or not), the mean and spread over seeds of the finished
     ones, and for every plan but tuning the gap along training and the frequency buckets."""
     runs = load_runs(root)
-    print("| plan | arm | lr | input lr | head lr | seed | steps | tokens | val loss | val ppl | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for plan, _, config, ev, speed in runs:
-        t = config["train"]
-        result = (f"{ev['step']} | {ev['tokens_seen']:,} | {ev['val_loss']:.4f} | {ev['val_ppl']:.2f}"
-                  if ev else "- | - | - | -")
-        speed_text = f"{speed:,.0f}" if speed else "-"
-        print(f"| {plan} | {run_label(config)} | {' | '.join(settings(config))} | {t['seed']} | {result} | {speed_text} |")
+        result = ([ev["step"], f"{ev['tokens_seen']:,}", f"{ev['val_loss']:.4f}", f"{ev['val_ppl']:.2f}"] if ev
+                  else ["-"] * 4)
+        rows.append([plan, run_label(config), *settings(config), config["train"]["seed"], *result,
+                     f"{speed:,.0f}" if speed else "-"])
+    header = ["plan", "arm", "lr", "input lr", "head lr", "seed", "steps", "tokens", "val loss", "val ppl", "tokens/s"]
+    print("\n".join(markdown(header, rows, labels=5)))
     groups = {}  # (plan, arm, settings) -> the finished runs' last evaluations, one per seed
     group_dirs = {}  # the same key -> those runs' folders
     curves = {}  # (plan, arm) -> {step: (tokens, val loss)} of each finished run
@@ -387,13 +388,14 @@ def table(root=STUDY_DIR):
     for run_dirs in group_dirs.values():  # seeds averaged must differ in their seed alone
         check_same_data(run_dirs)
     print("\nMean over seeds (spread: max - min); finished runs only:\n")
-    print("| plan | arm | lr, input, head | seeds | val loss | val ppl (each seed) | ppl spread |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     for (plan, arm, lrs), evs in groups.items():
         ppls = [e["val_ppl"] for e in evs]
-        print(f"| {plan} | {arm} | {', '.join(lrs)} | {len(evs)} | {statistics.mean(e['val_loss'] for e in evs):.4f} | "
-              f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)}) | "
-              + (f"{max(ppls) - min(ppls):.2f} |" if len(ppls) > 1 else "- |"))
+        rows.append([plan, arm, ", ".join(lrs), len(evs), f"{statistics.mean(e['val_loss'] for e in evs):.4f}",
+                     f"{statistics.mean(ppls):.2f} ({' / '.join(f'{p:.2f}' for p in ppls)})",
+                     f"{max(ppls) - min(ppls):.2f}" if len(ppls) > 1 else "-"])
+    header = ["plan", "arm", "lr, input, head", "seeds", "val loss", "val ppl (each seed)", "ppl spread"]
+    print("\n".join(markdown(header, rows, labels=3)))
     for plan in sorted({key[0] for key in groups} - set(TUNING_PLANS)):
         plan_curves = {arm: c for (p, arm), c in curves.items() if p == plan}
         if plan in VARIANT_PLANS:
@@ -434,9 +436,7 @@ def width_rule(root=STUDY_DIR):
         print(f"\nwidth sweep: {len(losses)} of {len(WIDTHS) * len(multiplier_grid())} runs finished")
         return
     print("\nWidth sweep (tuning half, 110 steps): validation loss; best: the fitted optimum\n")
-    print("| arm | multiplier | " + " | ".join(f"D = {w}" for w in WIDTHS) + " | fitted law | "
-          + " | ".join(f"D = {d}" for d in PAPER_WIDTHS.values()) + " |")
-    print("|---|---|" + "---|" * (len(WIDTHS) + 1 + len(PAPER_WIDTHS)))
+    rows = []
     for arm, moved, held, held_value in WIDTH_LINES:
         runs = sorted((r for r in multiplier_grid() if r["arm"] == arm and r[held] == held_value), key=lambda r: r[moved])
         values = [r[moved] for r in runs]
@@ -449,7 +449,10 @@ def width_rule(root=STUDY_DIR):
         law = f"x{np.exp(log_scale):.3g} (D / 128)^{exponent:+.2f}"
         carried = [f"x{np.exp(log_scale) * (d / 128) ** exponent:.3g}" for d in PAPER_WIDTHS.values()]
         label = f"{moved} (x{' / x'.join(f'{v:g}' for v in values)}; {held} x{held_value:g})"
-        print(f"| {arm} | {label} | " + " | ".join(cells) + f" | {law} | " + " | ".join(carried) + " |")
+        rows.append([arm, label, *cells, law, *carried])
+    header = ["arm", "multiplier", *(f"D = {w}" for w in WIDTHS), "fitted law",
+              *(f"D = {d}" for d in PAPER_WIDTHS.values())]
+    print("\n".join(markdown(header, rows, labels=2)))
 
 
 def gap_table(plan, curves_by_arm):
@@ -472,13 +475,13 @@ def difference_table(plan, curves_by_arm, arms, pairs):
     seeds), then each pair's difference a - b in nats (and in perplexity)."""
     steps = sorted(set.intersection(*(set(c) for arm in arms for c in curves_by_arm[arm])))
     print(f"\n{plan}: validation loss along training (mean over seeds, nats)\n")
-    print("| step | tokens | " + " | ".join(arms + [f"{a} - {b}" for a, b in pairs]) + " |")
-    print("|---|---|" + "---|" * (len(arms) + len(pairs)))
+    rows = []
     for step in steps:
         loss = {arm: statistics.mean(c[step][1] for c in curves_by_arm[arm]) for arm in arms}
         gaps = [loss[a] - loss[b] for a, b in pairs]
         cells = [f"{loss[a]:.4f}" for a in arms] + [f"{g:+.4f} ({100 * np.expm1(g):+.1f}%)" for g in gaps]
-        print(f"| {step} | {curves_by_arm[arms[0]][0][step][0]:,} | " + " | ".join(cells) + " |")
+        rows.append([step, f"{curves_by_arm[arms[0]][0][step][0]:,}", *cells])
+    print("\n".join(markdown(["step", "tokens", *arms, *(f"{a} - {b}" for a, b in pairs)], rows, labels=0)))
 
 
 def bucket_table(plan, evals_by_arm):
@@ -487,14 +490,12 @@ def bucket_table(plan, evals_by_arm):
     arms = [arm for arm in ARMS if arm in evals_by_arm]
     baselines = [arm for arm in ("tied", "untied") if "lev" in arms and arm in arms]
     print(f"\n{plan}: validation perplexity by the target's training count (mean loss over seeds)\n")
-    print("| training count | val tokens | " + " | ".join(arms + [f"lev vs {b}" for b in baselines]) + " |")
-    print("|---|---|" + "---|" * (len(arms) + len(baselines)))
+    rows = []
     for j, row in enumerate(evals_by_arm[arms[0]][0]["buckets"]):
-        if not row["tokens"]:
-            continue
-        ppl = {arm: float(np.exp(np.mean([e["buckets"][j]["loss"] for e in evals_by_arm[arm]]))) for arm in arms}
-        cells = [f"{ppl[a]:,.1f}" for a in arms] + [f"{100 * (ppl['lev'] / ppl[b] - 1):+.1f}%" for b in baselines]
-        print(f"| {row['counts']} | {row['tokens']:,} | " + " | ".join(cells) + " |")
+        if row["tokens"]:
+            ppl = {arm: float(np.exp(np.mean([e["buckets"][j]["loss"] for e in evals_by_arm[arm]]))) for arm in arms}
+            rows.append(([row["counts"], f"{row['tokens']:,}"], {a: (p, f"{p:,.1f}") for a, p in ppl.items()}, []))
+    print("\n".join(side_by_side(["training count", "val tokens"], arms, "lev", rows)))
 
 
 COLOURS = dict(lev="tab:red", tied="tab:blue", untied="tab:green")
