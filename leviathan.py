@@ -337,7 +337,7 @@ class Model(nn.Module):
         code on weights of the same shapes, so the graph compiled for the first serves all n_layer.
         The whole model as one graph would be traced through every block, and under DDP cut at each
         of its gradient buckets (~200 at 1.2b): minutes of compiling on every rank at every start.
-        (DDP cuts a block's graph too, at 1.2b in ~8, once for all.) What else it sees: compile_lev."""
+        (DDP cuts a block's graph too, in ~8 at 1.2b, once for all.) Also compiled: compile_lev."""
         if self.cfg.embedding == "lev":
             compile_lev(self.lev, **options)
         for block in self.blocks:
