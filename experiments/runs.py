@@ -234,10 +234,11 @@ def relative(value, base):
 
 
 def side_by_side(labels, names, focus, rows, extra=()):
-    """The comparison table (evaluate.py --compare, compare.py) as markdown lines: per row its label
-    cells, each name's cell, focus's relative difference to each other name, then the extra cells.
-    rows: [(label cells, {name: (value, cell)}, extra cells)]; a value of None has no difference."""
-    others = [name for name in names if name != focus]
+    """The comparison table (evaluate.py --compare, compare.py, study.py's buckets) as markdown lines: per
+    row its label cells, each name's cell, focus's relative difference to each other name (none without
+    focus among names), then the extra cells. rows: [(label cells, {name: (value, cell)}, extra cells)];
+    a value of None has no difference."""
+    others = [name for name in names if name != focus] if focus in names else []
     header = [*labels, *names, *(f"{focus} vs {name}" for name in others), *extra]
     body = [[*label_cells, *(values[name][1] for name in names),
              *(relative(values[focus][0], values[name][0]) for name in others), *extra_cells]

@@ -488,7 +488,6 @@ def bucket_table(plan, evals_by_arm):
     """Perplexity by the target's training count, mean over seeds of each bucket's loss, and
     lev's perplexity relative to each baseline."""
     arms = [arm for arm in ARMS if arm in evals_by_arm]
-    baselines = [arm for arm in ("tied", "untied") if "lev" in arms and arm in arms]
     print(f"\n{plan}: validation perplexity by the target's training count (mean loss over seeds)\n")
     rows = []
     for j, row in enumerate(evals_by_arm[arms[0]][0]["buckets"]):

@@ -627,6 +627,15 @@ def test_study_width_rule_finds_a_known_optimum_and_its_power_law(tmp_path, caps
     assert study.best_multiplier([10.0, 30.0, 100.0], [3.0, 2.9, 2.8]) == 100.0  # the edge, not beyond
 
 
+def test_study_bucket_table_of_a_plan_without_lev_has_no_relative_columns(capsys):
+    """A plan whose runs lack lev (retuned reruns only the arms whose choice moved): each arm's
+    perplexity per bucket, and no lev-vs column to compute."""
+    ev = {"buckets": [{"counts": "0", "tokens": 0, "loss": 9.0}, {"counts": "1-9", "tokens": 5, "loss": 1.0}]}
+    study.bucket_table("retuned", {"tied": [ev], "untied": [ev]})
+    assert table_rows(capsys.readouterr().out) == [["training count", "val tokens", "tied", "untied"],
+                                                   ["1-9", "5", "2.7", "2.7"]]
+
+
 def test_study_table_without_runs_prints_the_empty_tables(tmp_path, capsys):
     study.table(str(tmp_path))
     out = capsys.readouterr().out
