@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 if not __package__:  # run as a path (python experiments/x.py): the repository's modules are out of reach
     sys.exit("error: run it from the repository's root as: python -m experiments.bench")
@@ -56,11 +57,21 @@ def real_token_batch(tokenizer, batch, seq_len):
 
 
 class PeakMemory:
-    """Peak memory of a block above its starting point. CUDA: the allocator's own counter. CPU: the
-    process's peak resident size (Linux's VmHWM), restarted from the current size as the block starts."""
+    """Peak memory of a block above its starting point. CUDA: the allocator's own
+    counter. CPU: the process RSS sampled every millisecond from a thread (torch ops
+    release the GIL), an estimate good to a few MB."""
 
     def __init__(self, device):
         self.device, self.peak = device, 0
+
+    def _rss(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self._done.is_set():
+            self.peak = max(self.peak, self._rss() - self._start)
+            time.sleep(0.001)
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -68,9 +79,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._start = torch.cuda.memory_allocated()
         else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM starts again from VmRSS
-            self._start = proc_status_bytes("VmRSS")
+            self._start, self._done = self._rss(), threading.Event()
+            self._thread = threading.Thread(target=self._sample)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
@@ -78,12 +89,8 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self._start
         else:
-            self.peak = proc_status_bytes("VmHWM") - self._start
-
-
-def proc_status_bytes(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+            self._done.set()
+            self._thread.join()
 
 
 def train_step(model, optimizer, batch, device):
@@ -109,13 +116,15 @@ def bench_arms(title, cfg, batch, device, compile_model, repeats):
             model.compile()
         models[embedding] = model
         train_step(model, optimizers[embedding], batch, device)  # warm-up (and compile)
-    times, peaks = {e: [] for e in EMBEDDINGS}, {e: 0 for e in EMBEDDINGS}
+    times, peaks = {e: [] for e in EMBEDDINGS}, {}
     for _, embedding in itertools.product(range(repeats), EMBEDDINGS):  # interleaved
+        start = time.perf_counter()
+        train_step(models[embedding], optimizers[embedding], batch, device)
+        times[embedding].append(time.perf_counter() - start)
+    for embedding in EMBEDDINGS:  # a step of its own: the CPU sampler thread would slow the timed ones
         with PeakMemory(device) as memory:
-            start = time.perf_counter()
             train_step(models[embedding], optimizers[embedding], batch, device)
-            times[embedding].append(time.perf_counter() - start)
-        peaks[embedding] = max(peaks[embedding], memory.peak)
+        peaks[embedding] = memory.peak
     tokens = batch.shape[0] * (batch.shape[1] - 1)
     n_distinct = batch[:, :-1].unique().numel()
     print(f"\n{title}: V={cfg.vocab_size:,} D={cfg.d_model} layers={cfg.n_layer} "
@@ -148,6 +157,11 @@ def lev_forward_backward(lev, ids, reference):
     E.backward(torch.ones_like(E))
 
 
+def proc_status_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
 def lev_peak_bytes(cfg, ids, reference, device_name):
     """Peak memory of lev_forward_backward above where it starts. Run in a fresh process: on
     CPU, memory an earlier run freed but the process kept would hide part of the peak. A
@@ -155,9 +169,16 @@ def lev_peak_bytes(cfg, ids, reference, device_name):
     device = torch.device(device_name)
     lev = LEV.from_config(cfg).to(device)
     lev_forward_backward(lev, ids[:64].to(device), reference)
-    with PeakMemory(device) as memory:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
         lev_forward_backward(lev, ids.to(device), reference)
-    return memory.peak
+        return torch.cuda.max_memory_allocated() - start
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # restart the peak resident size (VmHWM) from the current one
+    start = proc_status_bytes("VmRSS")
+    lev_forward_backward(lev, ids, reference)
+    return proc_status_bytes("VmHWM") - start
 
 
 def bench_lev_alone(cfg, ids, device, repeats):
