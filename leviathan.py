@@ -663,16 +663,18 @@ FUSED_SOFTMAX = Fused(fused_softmax_gradient_, "the loss")
 @functools.cache
 def adds_bf16_products_into_float32(device):
     """Whether torch.addmm here adds a bf16 product into a float32 matrix in place (out_dtype:
-    CUDA, in recent torch), checked on a small case against the product made apart."""
-    a, b = (torch.linspace(-2, 2, 64 * n, device=device).view(64, n).to(torch.bfloat16)
-            for n in (32, 16))  # not random: training's random numbers stay as they were
-    total = torch.linspace(-5, 5, 32 * 16, device=device).view(32, 16)
-    want = total + a.t().float() @ b.float()  # bf16 values are exact in float32 (and TF32)
-    try:
-        torch.addmm(total, a.t(), b, out_dtype=torch.float32, out=total)
-    except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype, or not for these dtypes
-        return False
-    return torch.allclose(total, want, rtol=1e-4, atol=1e-4)
+    CUDA, in recent torch), checked on a small case against the product made apart. Autocast is
+    off: the loss, which asks first, runs under it, and it would make that product in bf16."""
+    with torch.autocast(device.type, enabled=False):
+        a, b = (torch.linspace(-2, 2, 64 * n, device=device).view(64, n).to(torch.bfloat16)
+                for n in (32, 16))  # not random: training's random numbers stay as they were
+        total = torch.linspace(-5, 5, 32 * 16, device=device).view(32, 16)
+        want = total + a.t().float() @ b.float()  # bf16 values are exact in float32 (and TF32)
+        try:
+            torch.addmm(total, a.t(), b, out_dtype=torch.float32, out=total)
+        except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype, or not these dtypes
+            return False
+        return torch.allclose(total, want, rtol=1e-4, atol=1e-4)
 
 # ----------------------------------------------------------------------------- the loss as one call
 # A custom operator: one opaque call wherever torch.compile meets it (torch.compile(model) would):

@@ -487,7 +487,8 @@ def test_the_loss_holds_one_chunk_of_logits_at_a_time(monkeypatch, dtype):
 def test_dl_dw_is_added_into_float32_in_place_where_torch_adds_it_right(monkeypatch):
     """Under bf16 each chunk's G^T x goes into the float32 dL/dW by torch.addmm's out_dtype
     where the probe finds it right (CUDA in recent torch; emulated here), else it is made apart
-    (this CPU; or an addmm that drops the sum so far): the same gradients either way."""
+    (this CPU; or an addmm that drops the sum so far): the same gradients either way. Under
+    autocast, as training calls the loss: the probe's own product must not be made in bf16."""
     n, V, D, chunk = 96, 512, 8, 16
     monkeypatch.setattr(leviathan, "LOSS_CHUNK_LOGITS", chunk * V)  # 6 chunks
     x, w, targets = torch.randn(n, D), torch.randn(V, D), torch.randint(0, V, (n,))
@@ -497,7 +498,8 @@ def test_dl_dw_is_added_into_float32_in_place_where_torch_adds_it_right(monkeypa
     def emulated_addmm(keeps_the_sum):
         def addmm(total, m1, m2, *, out_dtype, out):
             calls.append(out_dtype)
-            return out.copy_((total if keeps_the_sum else 0) + m1.float() @ m2.float())
+            with torch.autocast("cpu", enabled=False):  # a kernel with out=: autocast casts nothing
+                return out.copy_((total if keeps_the_sum else 0) + m1.float() @ m2.float())
         return addmm
     results = {}
     cases = {"this CPU": real_addmm, "out_dtype": emulated_addmm(True),
@@ -507,7 +509,8 @@ def test_dl_dw_is_added_into_float32_in_place_where_torch_adds_it_right(monkeypa
         monkeypatch.setattr(torch, "addmm", addmm)
         fresh_probe = functools.cache(probe)  # not the answer an earlier case left
         monkeypatch.setattr(leviathan, "adds_bf16_products_into_float32", fresh_probe)
-        results[case] = leviathan.chunked_loss(x, w, targets, torch.bfloat16, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[case] = leviathan.chunked_loss(x, w, targets, torch.bfloat16, True)
         results[case + " calls"] = len(calls)
     calls_made = (results["this CPU calls"], results["out_dtype calls"], results["wrong calls"])
     assert calls_made == (0, 1 + n // chunk, 1)  # the probe's, and one a chunk where it passed
